@@ -1,0 +1,1 @@
+"""Attention entry points: pick the Pallas kernel or the XLA reference."""

@@ -1,0 +1,213 @@
+"""GGUF checkpoints (llama.cpp's format), read with the `gguf` package.
+
+Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0, F16, ...) are dequantized to the
+compute dtype. Two llama.cpp conventions are undone on the way in:
+- Gemma's RMSNorm weights are stored with the +1 already added; our params
+  keep the checkpoint's (1 + w) convention, so 1 is subtracted (as HF does).
+- Llama-style GGUFs permute the rows of Q and K for llama.cpp's interleaved
+  RoPE; we use the rotate-half layout, so the permutation is reversed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from jaxinfer.errors import ModelLoadError
+from jaxinfer.model.config import ModelConfig, RopeScaling, gemma3_layer_types
+from jaxinfer.model.params import Params, check_param_shapes, stack_layers
+
+# GGUF architecture name -> (our architecture, qkv bias, Q/K rows permuted by llama.cpp)
+GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
+    "gemma3": ("gemma3", False, False),
+    "llama": ("llama", False, True),
+    "mistral": ("llama", False, True),
+    "qwen2": ("llama", True, False),
+}
+
+GLOBAL_TENSORS = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
+
+LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_output.weight": "o_proj",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "post_attention_norm.weight": "post_attn_norm",
+    "ffn_norm.weight": "mlp_norm",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
+    "post_ffw_norm.weight": "post_mlp_norm",
+}
+
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """Open a GGUF file, turning every failure into a ModelLoadError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises many kinds on damaged files
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file (corrupt or truncated?): {exc}"
+        ) from exc
+
+
+def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelConfig:
+    """Model hyper-parameters from the GGUF metadata."""
+    gguf_arch = field_value(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {gguf_arch!r}; "
+            f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    arch, qkv_bias, _ = GGUF_ARCHITECTURES[gguf_arch]
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = field_value(reader, f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {gguf_arch}.{key}")
+        return value
+
+    d_model, num_heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    embed = _tensor_info(reader, "token_embd.weight")
+    common = dict(
+        vocab_size=int(embed.shape[-1]),
+        d_model=d_model,
+        num_layers=int(meta("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", d_model // num_heads)),
+        ffn_dim=int(meta("feed_forward_length")),
+        max_position=int(meta("context_length")),
+        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta("rope.freq_base", 10_000.0)),
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_ids(reader),
+        pad_token_id=int(field_value(reader, "tokenizer.ggml.padding_token_id", 0)),
+        name=name or str(field_value(reader, "general.name", "model")),
+        tie_embeddings=_tensor_info(reader, "output.weight", required=False) is None,
+    )
+    if arch == "gemma3":
+        return _gemma3_config(common, meta)
+    return ModelConfig(
+        architecture="llama", activation="silu", qkv_bias=qkv_bias,
+        rope_scaling=_rope_scaling(meta), **common,
+    )
+
+
+def _gemma3_config(common: dict[str, Any], meta: Any) -> ModelConfig:
+    window = int(meta("attention.sliding_window"))
+    return ModelConfig(
+        architecture="gemma3",
+        activation="gelu_tanh",
+        norm_offset=1.0,
+        scale_embeddings=True,
+        sandwich_norms=True,
+        qk_norm=True,
+        sliding_window=window,
+        layer_types=gemma3_layer_types(common["num_layers"]),
+        rope_local_theta=10_000.0,  # llama.cpp and HF fix the local base for Gemma 3
+        query_pre_attn_scalar=float(common["head_dim"]),
+        rope_scaling=_rope_scaling(meta),
+        **common,
+    )
+
+
+def _rope_scaling(meta: Any) -> RopeScaling | None:
+    kind = meta("rope.scaling.type", "none")
+    factor = float(meta("rope.scaling.factor", 1.0))
+    if kind == "linear" and factor != 1.0:
+        return RopeScaling("linear", factor)
+    return None
+
+
+def _eos_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    return () if eos is None else (int(eos),)
+
+
+def _tensor_info(reader: gguf.GGUFReader, name: str, required: bool = True) -> Any:
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return tensor
+    if required:
+        raise ModelLoadError(f"GGUF file lacks tensor {name!r}")
+    return None
+
+
+def load_gguf_params(
+    reader: gguf.GGUFReader, config: ModelConfig, dtype: Any = np.float32
+) -> Params:
+    """Dequantize every tensor into the params pytree (numpy arrays of `dtype`)."""
+    gguf_arch = field_value(reader, "general.architecture")
+    permute_qk = GGUF_ARCHITECTURES[gguf_arch][2]
+    top: dict[str, np.ndarray] = {}
+    layers: list[dict[str, np.ndarray]] = [{} for _ in range(config.num_layers)]
+    for tensor in reader.tensors:
+        target, layer_index = _target_name(tensor.name)
+        if target is None:
+            continue
+        weight = _dequantize(tensor)
+        weight = _undo_conventions(weight, target, config, permute_qk)
+        destination = top if layer_index is None else layers[layer_index]
+        destination[target] = weight.astype(dtype, copy=False)
+    params: Params = {**top, "layers": stack_layers(layers)}
+    check_param_shapes(config, params)
+    return params
+
+
+def _target_name(gguf_name: str) -> tuple[str | None, int | None]:
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match:
+        return LAYER_TENSORS.get(match.group(2)), int(match.group(1))
+    base = gguf_name.removesuffix(".weight")
+    return GLOBAL_TENSORS.get(base), None
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    try:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"cannot dequantize GGUF tensor {tensor.name} "
+            f"({tensor.tensor_type.name}): {exc}"
+        ) from exc
+    expected = tuple(int(n) for n in reversed(tensor.shape))
+    return np.asarray(data, np.float32).reshape(expected)
+
+
+def _undo_conventions(
+    weight: np.ndarray, target: str, config: ModelConfig, permute_qk: bool
+) -> np.ndarray:
+    if config.norm_offset and target.endswith("norm"):
+        return weight - np.float32(config.norm_offset)
+    if permute_qk and target in ("q_proj", "k_proj", "q_bias", "k_bias"):
+        heads = config.num_heads if target.startswith("q") else config.num_kv_heads
+        return reverse_qk_permutation(weight, heads)
+    return weight
+
+
+def reverse_qk_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved -> rotate-half RoPE layout)."""
+    half = weight.shape[0] // num_heads // 2
+    grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
