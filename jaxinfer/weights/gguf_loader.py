@@ -106,6 +106,11 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelC
         name=name or str(field_value(reader, "general.name", "model")),
         tie_embeddings=_tensor_info(reader, "output.weight", required=False) is None,
     )
+    if _tensor_info(reader, "rope_freqs.weight", required=False) is not None:
+        raise ModelLoadError(
+            "this GGUF scales RoPE with a rope_freqs tensor (Llama 3.1+ style), which the "
+            "GGUF loader does not read yet; load the Hugging Face folder instead"
+        )
     if arch == "gemma3":
         return _gemma3_config(common, meta)
     return ModelConfig(
@@ -134,6 +139,8 @@ def _gemma3_config(common: dict[str, Any], meta: Any) -> ModelConfig:
 
 def _rope_scaling(meta: Any) -> RopeScaling | None:
     kind = meta("rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise ModelLoadError(f"unsupported RoPE scaling {kind!r} in GGUF (supported: linear)")
     factor = float(meta("rope.scaling.factor", 1.0))
     if kind == "linear" and factor != 1.0:
         return RopeScaling("linear", factor)

@@ -1,0 +1,1 @@
+"""Model presets, installed as the `jaxinfer.presets` package (see pyproject.toml)."""

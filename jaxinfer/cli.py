@@ -1,0 +1,153 @@
+"""The `jaxinfer` command: generate | convert.
+
+Errors a user can fix (a missing file, a bad setting, a prompt too long) are
+printed as one line naming the problem, with exit status 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from jaxinfer.errors import JaxinferError
+
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except JaxinferError as exc:
+        print(f"jaxinfer: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_generate(commands.add_parser("generate", help="generate text from a prompt"))
+    _add_convert(commands.add_parser("convert", help="convert weights to a jaxinfer checkpoint"))
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gemma3-270m",
+                        help="preset name, GGUF file, HF folder or jaxinfer checkpoint")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+
+
+def _add_generate(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    _add_model_flags(parser)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--logprobs", type=int, default=None, help="top log-probs per token")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--attention-impl", default="xla", choices=["xla"])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no timing line on stderr")
+    parser.set_defaults(handler=run_generate)
+
+
+def _add_convert(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="preset name, GGUF file or HF folder")
+    parser.add_argument("out", nargs="?", default=None,
+                        help="output folder (default: checkpoints/<name>)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.set_defaults(handler=run_convert)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
+    )
+    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format,
+              max_model_len=args.max_model_len, max_num_seqs=1,
+              attention_impl=args.attention_impl)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    stamps: list[float] = []
+
+    def on_token(_request: object, _output: object, delta: str) -> None:
+        stamps.append(time.perf_counter())
+        if not args.json:
+            print(delta, end="", flush=True)
+
+    start = time.perf_counter()
+    output = llm.generate(prompt, params, on_token=on_token)[0]
+    if args.json:
+        print(json.dumps(_as_json(output), ensure_ascii=False))
+    else:
+        print()
+    if not args.quiet:
+        _print_timing(llm.model.load_seconds, start, stamps)
+    return 0
+
+
+def _as_json(output: object) -> dict[str, object]:
+    return {
+        "prompt": output.prompt,
+        "prompt_token_ids": output.prompt_token_ids,
+        "token_ids": output.token_ids,
+        "text": output.text,
+        "finish_reason": output.finish_reason,
+        "logprobs": output.logprobs and [
+            {str(k): v for k, v in entry.items()} for entry in output.logprobs
+        ],
+    }
+
+
+def _print_timing(load_seconds: float, start: float, stamps: list[float]) -> None:
+    """One stderr line: load time, time to first token (incl. compile), decode rate."""
+    if not stamps:
+        return
+    ttft = stamps[0] - start
+    line = f"[load {load_seconds:.1f}s, first token {ttft:.2f}s"
+    if len(stamps) > 2:  # the first decode step compiles; rate over the rest
+        rate = (len(stamps) - 2) / (stamps[-1] - stamps[1])
+        line += f", decode {rate:.1f} tok/s over {len(stamps) - 2} tokens"
+    print(line + "]", file=sys.stderr)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from jaxinfer.weights import load_model
+    from jaxinfer.weights.orbax_ckpt import save_checkpoint
+
+    loaded = load_model(args.src, dtype=args.dtype)
+    out = Path(args.out) if args.out else Path("checkpoints") / _folder_name(loaded.config.name)
+    start = time.perf_counter()
+    save_checkpoint(out, loaded.config, loaded.params)
+    loaded.tokenizer.save(out)
+    print(f"loaded {loaded.source} ({loaded.kind}) in {loaded.load_seconds:.1f}s; "
+          f"wrote {out} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def _folder_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-._" else "-" for c in name.lower()).strip("-")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

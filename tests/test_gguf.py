@@ -1,0 +1,152 @@
+"""GGUF loading: llama.cpp's naming and conventions, quantized tensors, damaged files.
+
+Tiny GGUFs are written here from the HF fixtures (whose logits match HF), the way
+llama.cpp's converter writes them: Q/K rows permuted for Llama, +1 added to
+Gemma's norms. Loading them back must give exactly the HF params.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from jaxinfer.errors import ModelLoadError
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.weights import gguf_loader, hf
+
+TINY = Path(__file__).parent / "data" / "tiny"
+
+OUR_TO_GGUF = {ours: name.removesuffix(".weight").removesuffix(".bias")
+               for name, ours in gguf_loader.LAYER_TENSORS.items()}
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's Q/K permutation (rotate-half -> interleaved)."""
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_gguf(path: Path, config: ModelConfig, params: dict, arch: str,
+               quantize: tuple[str, ...] = ()) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position)
+    writer.add_embedding_length(config.d_model)
+    writer.add_feed_forward_length(config.ffn_dim)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    if config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
+    for name, array in _gguf_tensors(config, params, arch):
+        _add_tensor(writer, name, array, any(q in name for q in quantize))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_tensors(config: ModelConfig, params: dict, arch: str):
+    yield "token_embd.weight", params["embed"]
+    yield "output_norm.weight", params["final_norm"] + config.norm_offset
+    if "lm_head" in params:
+        yield "output.weight", params["lm_head"]
+    for ours, stacked in params["layers"].items():
+        suffix = "bias" if ours.endswith("bias") else "weight"
+        for index, weight in enumerate(stacked):
+            if ours.endswith("norm"):
+                weight = weight + config.norm_offset
+            if arch == "llama" and ours in ("q_proj", "k_proj"):
+                weight = llama_cpp_permute(
+                    weight, config.num_heads if ours == "q_proj" else config.num_kv_heads)
+            yield f"blk.{index}.{OUR_TO_GGUF[ours]}.{suffix}", weight
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, q8: bool) -> None:
+    array = np.ascontiguousarray(array, np.float32)
+    if not q8:
+        writer.add_tensor(name, array)
+        return
+    packed = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor(name, packed, raw_shape=packed.shape,
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+
+def _load(path: Path) -> tuple[ModelConfig, dict]:
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.config_from_gguf(reader)
+    return config, gguf_loader.load_gguf_params(reader, config)
+
+
+def _assert_same_params(expected: dict, actual: dict, atol: float = 0.0) -> None:
+    for name in expected["layers"]:
+        np.testing.assert_allclose(actual["layers"][name], expected["layers"][name],
+                                   atol=atol, rtol=0, err_msg=name)
+    np.testing.assert_allclose(actual["embed"], expected["embed"], atol=atol, rtol=0)
+
+
+def test_llama_gguf_undoes_the_qk_permutation(tmp_path: Path) -> None:
+    config, params = hf.load_hf_folder(TINY / "llama")
+    write_gguf(tmp_path / "llama.gguf", config, params, "llama")
+    loaded_config, loaded = _load(tmp_path / "llama.gguf")
+    _assert_same_params(params, loaded)
+    assert loaded_config.num_kv_heads == 2 and not loaded_config.tie_embeddings
+    assert not np.array_equal(params["layers"]["q_proj"],
+                              llama_cpp_permute(params["layers"]["q_proj"][0], 4))
+
+
+def test_qwen2_gguf_with_biases_and_q8_0_tensors(tmp_path: Path) -> None:
+    config, params = hf.load_hf_folder(TINY / "qwen2")
+    write_gguf(tmp_path / "qwen2.gguf", config, params, "qwen2", quantize=("ffn_",))
+    loaded_config, loaded = _load(tmp_path / "qwen2.gguf")
+    assert loaded_config.qkv_bias and loaded_config.tie_embeddings
+    np.testing.assert_array_equal(loaded["layers"]["q_bias"], params["layers"]["q_bias"])
+    # Q8_0 keeps one scale per 32 values: error at most half a step of 127 levels
+    step = np.abs(params["layers"]["up_proj"]).max() / 127
+    np.testing.assert_allclose(loaded["layers"]["up_proj"], params["layers"]["up_proj"],
+                               atol=step, rtol=0)
+    assert not np.array_equal(loaded["layers"]["up_proj"], params["layers"]["up_proj"])
+
+
+def test_gemma3_gguf_norms_drop_the_added_one(tmp_path: Path) -> None:
+    config, params = hf.load_hf_folder(TINY / "gemma3")
+    write_gguf(tmp_path / "gemma3.gguf", config, params, "gemma3")
+    loaded_config, loaded = _load(tmp_path / "gemma3.gguf")
+    assert loaded_config.norm_offset == 1.0 and loaded_config.sandwich_norms
+    _assert_same_params(params, loaded, atol=1e-6)
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        gguf_loader.open_gguf(tmp_path / "nope.gguf")
+
+
+def test_garbage_file_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"this is not a gguf file" * 10)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        gguf_loader.open_gguf(path)
+
+
+def test_truncated_gguf_is_rejected(tmp_path: Path) -> None:
+    config, params = hf.load_hf_folder(TINY / "qwen2")
+    full = tmp_path / "full.gguf"
+    write_gguf(full, config, params, "qwen2")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    with pytest.raises(ModelLoadError):
+        _load(cut)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    config, params = hf.load_hf_folder(TINY / "qwen2")
+    path = tmp_path / "falcon.gguf"
+    write_gguf(path, config, params, "falcon")
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'falcon'"):
+        _load(path)
