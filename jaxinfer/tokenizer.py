@@ -89,32 +89,9 @@ def _incomplete_utf8_tail(data: bytes) -> bool:
 # GGUF metadata: a reader for the key/value section only (the tensors are not needed)
 # ---------------------------------------------------------------------------
 
-_GGUF_SCALAR = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-_GGUF_NUMPY = {
-    0: "<u1",
-    1: "<i1",
-    2: "<u2",
-    3: "<i2",
-    4: "<u4",
-    5: "<i4",
-    6: "<f4",
-    7: "?",
-    10: "<u8",
-    11: "<i8",
-    12: "<f8",
-}
+# fixed-size value types -> struct/numpy codes (little-endian); 8 is string, 9 array
+_FIXED_TYPES = (0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12)
+_GGUF_FIXED = {t: f"<{c}" for t, c in zip(_FIXED_TYPES, "BbHhIif?Qqd", strict=True)}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 
@@ -149,16 +126,16 @@ class _GgufCursor:
             return self.string()
         if vtype == _GGUF_ARRAY:
             return self.array()
-        if vtype not in _GGUF_SCALAR:
+        if vtype not in _GGUF_FIXED:
             raise ModelLoadError(f"{self.path}: unknown GGUF metadata value type {vtype}")
-        return self.scalar(_GGUF_SCALAR[vtype])
+        return self.scalar(_GGUF_FIXED[vtype])
 
     def array(self) -> Any:
         etype, count = self.scalar("<I"), self.scalar("<Q")
         if etype == _GGUF_STRING:
             return self.strings(count)
-        if etype in _GGUF_NUMPY:
-            arr = np.frombuffer(self.buf, _GGUF_NUMPY[etype], count=count, offset=self.pos)
+        if etype in _GGUF_FIXED:
+            arr = np.frombuffer(self.buf, _GGUF_FIXED[etype], count=count, offset=self.pos)
             self.pos += arr.nbytes
             return arr.copy()
         return [self.value(etype) for _ in range(count)]
@@ -542,6 +519,10 @@ class _TokenizersBackend:
         m = _BYTE_PIECE.fullmatch(piece)
         return bytes([int(m[1], 16)]) if m else piece.replace("▁", " ").encode()
 
+    def prepends(self, token_id: int) -> bool:
+        """Whether the post-processor puts ``token_id`` in front of an encoded text."""
+        return self._tk.encode("a", add_special_tokens=True).ids[:1] == [token_id]
+
     def save(self, directory: Path) -> dict[str, Any]:
         (directory / _JSON_FILE).write_text(self._tk.to_str(), encoding="utf-8")
         return {}
@@ -738,7 +719,10 @@ def _hf_special_id(
     key = f"{name}_token"
     if key in tok_cfg:
         text = _token_text(tok_cfg[key])
-        return None if text is None else backend.piece_to_id(text)
+        token_id = None if text is None else backend.piece_to_id(text)
+        if text is not None and token_id is None:
+            raise ModelLoadError(f"tokenizer_config.json {key}={text!r} is not in the vocabulary")
+        return token_id
     for value in fallbacks:
         ids = _id_list(value)
         if ids:
@@ -769,7 +753,7 @@ def _detect_add_bos(backend: _Backend, bos_id: int | None) -> bool:
         return False
     if not isinstance(backend, _TokenizersBackend):
         return True
-    return backend._tk.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
+    return backend.prepends(bos_id)
 
 
 # ---------------------------------------------------------------------------
@@ -1083,15 +1067,15 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        # the window: emitted tokens kept as context, then tokens not emitted yet
         self._ids = [int(i) for i in (prompt_ids or [])][-_CONTEXT_TOKENS:]
-        self._prefix = 0  # start of the decoded window
-        self._read = len(self._ids)  # tokens before this have been emitted
+        self._read = len(self._ids)  # window tokens before this have been emitted
         self._chunks: list[str] = []
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the new text (possibly empty)."""
         self._ids.append(int(token_id))
-        window = self._decode(self._prefix, len(self._ids))
+        window = self._decode(self._ids)
         if window.endswith("\ufffd") and self._tail_incomplete():
             return ""
         return self._emit(window)
@@ -1100,7 +1084,7 @@ class IncrementalDetokenizer:
         """Release whatever is held back (call once, when the sequence ends)."""
         if self._read == len(self._ids):
             return ""
-        return self._emit(self._decode(self._prefix, len(self._ids)))
+        return self._emit(self._decode(self._ids))
 
     @property
     def text(self) -> str:
@@ -1110,16 +1094,16 @@ class IncrementalDetokenizer:
         return self._chunks[0] if self._chunks else ""
 
     def _emit(self, window: str) -> str:
-        delta = window[len(self._decode(self._prefix, self._read)) :]
-        # the emitted tokens become the next window's context; older ones are dropped
+        delta = window[len(self._decode(self._ids[: self._read])) :]
+        # the tokens just emitted become the next window's context
         del self._ids[: self._read]
-        self._prefix, self._read = 0, len(self._ids)
+        self._read = len(self._ids)
         if delta:
             self._chunks.append(delta)
         return delta
 
-    def _decode(self, start: int, end: int) -> str:
-        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def _tail_incomplete(self) -> bool:
         tail = b""

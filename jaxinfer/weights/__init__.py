@@ -114,7 +114,7 @@ def _load_real(source: str | Path, dtype: Any) -> tuple[ModelConfig, Params, Tok
 def _load_gguf(path: Path, dtype: Any, name: str | None) -> tuple[ModelConfig, Params, Tokenizer]:
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.config_from_gguf(reader, name=name)
-    tokenizer = Tokenizer.from_gguf(reader)
+    tokenizer = Tokenizer.from_gguf(path)
     return config, gguf_loader.load_gguf_params(reader, config, dtype), tokenizer
 
 
@@ -124,7 +124,7 @@ def _load_dummy(source: str | Path, dtype: Any) -> tuple[ModelConfig, Params, To
     tokenizer = None
     if path.is_file():
         reader = gguf_loader.open_gguf(path)
-        config, tokenizer = gguf_loader.config_from_gguf(reader), Tokenizer.from_gguf(reader)
+        config, tokenizer = gguf_loader.config_from_gguf(reader), Tokenizer.from_gguf(path)
     elif (path / "config.json").is_file():
         config = hf.config_from_hf(hf.read_json(path / "config.json"), path.name)
     else:

@@ -14,12 +14,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.model.config import ModelConfig, RopeScaling, gemma3_layer_types
 from jaxinfer.model.params import Params, check_param_shapes, stack_layers
+from jaxinfer.weights.gguf_file import GGUFFile, GGUFTensor, read_gguf
 
 # GGUF architecture name -> (our architecture, qkv bias, Q/K rows permuted by llama.cpp)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
@@ -53,27 +53,14 @@ LAYER_TENSORS = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
+def open_gguf(path: str | Path) -> GGUFFile:
     """Open a GGUF file, turning every failure into a ModelLoadError naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises many kinds on damaged files
-        raise ModelLoadError(
-            f"{path} is not a readable GGUF file (corrupt or truncated?): {exc}"
-        ) from exc
+    return read_gguf(path)
 
 
-def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def config_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, name: str | None = None) -> ModelConfig:
     """Model hyper-parameters from the GGUF metadata."""
-    gguf_arch = field_value(reader, "general.architecture")
+    gguf_arch = reader.get("general.architecture")
     if gguf_arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported GGUF architecture {gguf_arch!r}; "
@@ -82,7 +69,7 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelC
     arch, qkv_bias, _ = GGUF_ARCHITECTURES[gguf_arch]
 
     def meta(key: str, default: Any = None) -> Any:
-        value = field_value(reader, f"{gguf_arch}.{key}", default)
+        value = reader.get(f"{gguf_arch}.{key}", default)
         if value is None:
             raise ModelLoadError(f"GGUF metadata lacks {gguf_arch}.{key}")
         return value
@@ -90,7 +77,7 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelC
     d_model, num_heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     embed = _tensor_info(reader, "token_embd.weight")
     common = dict(
-        vocab_size=int(embed.shape[-1]),
+        vocab_size=int(embed.shape[0]),
         d_model=d_model,
         num_layers=int(meta("block_count")),
         num_heads=num_heads,
@@ -100,10 +87,10 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str | None = None) -> ModelC
         max_position=int(meta("context_length")),
         norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10_000.0)),
-        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(reader),
-        pad_token_id=int(field_value(reader, "tokenizer.ggml.padding_token_id", 0)),
-        name=name or str(field_value(reader, "general.name", "model")),
+        pad_token_id=int(reader.get("tokenizer.ggml.padding_token_id", 0)),
+        name=name or str(reader.get("general.name", "model")),
         tie_embeddings=_tensor_info(reader, "output.weight", required=False) is None,
     )
     if _tensor_info(reader, "rope_freqs.weight", required=False) is not None:
@@ -147,29 +134,27 @@ def _rope_scaling(meta: Any) -> RopeScaling | None:
     return None
 
 
-def _eos_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
-    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+def _eos_ids(reader: GGUFFile) -> tuple[int, ...]:
+    eos = reader.get("tokenizer.ggml.eos_token_id")
     return () if eos is None else (int(eos),)
 
 
-def _tensor_info(reader: gguf.GGUFReader, name: str, required: bool = True) -> Any:
-    for tensor in reader.tensors:
-        if tensor.name == name:
-            return tensor
-    if required:
+def _tensor_info(reader: GGUFFile, name: str, required: bool = True) -> GGUFTensor | None:
+    tensor = reader.tensors.get(name)
+    if tensor is None and required:
         raise ModelLoadError(f"GGUF file lacks tensor {name!r}")
-    return None
+    return tensor
 
 
 def load_gguf_params(
-    reader: gguf.GGUFReader, config: ModelConfig, dtype: Any = np.float32
+    reader: GGUFFile, config: ModelConfig, dtype: Any = np.float32
 ) -> Params:
     """Dequantize every tensor into the params pytree (numpy arrays of `dtype`)."""
-    gguf_arch = field_value(reader, "general.architecture")
+    gguf_arch = reader.get("general.architecture")
     permute_qk = GGUF_ARCHITECTURES[gguf_arch][2]
     top: dict[str, np.ndarray] = {}
     layers: list[dict[str, np.ndarray]] = [{} for _ in range(config.num_layers)]
-    for tensor in reader.tensors:
+    for tensor in reader.tensors.values():
         target, layer_index = _target_name(tensor.name)
         if target is None:
             continue
@@ -190,16 +175,13 @@ def _target_name(gguf_name: str) -> tuple[str | None, int | None]:
     return GLOBAL_TENSORS.get(base), None
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
+def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     try:
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    except Exception as exc:
+        return tensor.dequantize()
+    except Exception as exc:  # gguf.quants raises NotImplementedError, ValueError, ...
         raise ModelLoadError(
-            f"cannot dequantize GGUF tensor {tensor.name} "
-            f"({tensor.tensor_type.name}): {exc}"
+            f"cannot dequantize GGUF tensor {tensor.name} ({tensor.qtype.name}): {exc}"
         ) from exc
-    expected = tuple(int(n) for n in reversed(tensor.shape))
-    return np.asarray(data, np.float32).reshape(expected)
 
 
 def _undo_conventions(
