@@ -139,7 +139,8 @@ def run_convert(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("checkpoints") / _folder_name(loaded.config.name)
     start = time.perf_counter()
     save_checkpoint(out, loaded.config, loaded.params)
-    loaded.tokenizer.save(out)
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save(out)
     print(f"loaded {loaded.source} ({loaded.kind}) in {loaded.load_seconds:.1f}s; "
           f"wrote {out} in {time.perf_counter() - start:.1f}s")
     return 0

@@ -21,12 +21,14 @@ import numpy as np
 from jaxinfer.errors import ConfigError, ModelLoadError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
+from jaxinfer.tokenizer import META_FILE as TOKENIZER_META
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.weights import gguf_loader, hf, orbax_ckpt
 from jaxinfer.weights.dummy import dummy_params
 
 DEFAULT_MODEL = "gemma3-270m"
 LOAD_FORMATS = ("auto", "dummy")
+HF_TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -87,7 +89,9 @@ def load_model(
     return LoadedModel(config, params, tokenizer, str(source), kind, time.perf_counter() - start)
 
 
-def _load_real(source: str | Path, dtype: Any) -> tuple[ModelConfig, Params, Tokenizer, str]:
+def _load_real(
+    source: str | Path, dtype: Any
+) -> tuple[ModelConfig, Params, Tokenizer | None, str]:
     path = Path(source)
     preset_name = None
     if not path.exists():
@@ -102,10 +106,12 @@ def _load_real(source: str | Path, dtype: Any) -> tuple[ModelConfig, Params, Tok
         return (*_load_gguf(path, dtype, preset_name), "gguf")
     if orbax_ckpt.is_checkpoint(path):
         config, params = orbax_ckpt.load_checkpoint(path, dtype)
-        return config, params, Tokenizer.load(path), "checkpoint"
+        tokenizer = Tokenizer.load(path) if (path / TOKENIZER_META).is_file() else None
+        return config, params, tokenizer, "checkpoint"
     if (path / "config.json").is_file():
         config, params = hf.load_hf_folder(path, dtype)
-        return config, params, Tokenizer.from_hf_dir(path), "hf"
+        has_tokenizer = any((path / name).is_file() for name in HF_TOKENIZER_FILES)
+        return config, params, Tokenizer.from_hf_dir(path) if has_tokenizer else None, "hf"
     raise ModelLoadError(
         f"{path} is neither a GGUF file, an HF folder (config.json) nor a jaxinfer checkpoint"
     )
