@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,8 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer | None
     slot: int = -1
     stop_scan_from: int = 0
-    raw_text: str = field(default="")
+    raw_text: str = ""
+    stopped_by_string: bool = False
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -200,7 +201,8 @@ class LLM:
             stop_ids |= set(self._eos_ids())
         sequences = []
         for index in range(params.n):
-            output = CompletionOutput(index, "", [], None, [] if params.logprobs is not None else None)
+            logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
+            output = CompletionOutput(index, "", [], None, logprobs)
             request.outputs.append(output)
             detok = None
             if self.model.tokenizer is not None:
@@ -239,7 +241,8 @@ class LLM:
     def _prefill(self, seq: _Sequence, on_token: TokenCallback | None) -> None:
         result = self.runner.prefill(seq.slot, seq.prompt_ids, seq.params, seq.seed)
         if seq.params.prompt_logprobs is not None and seq.output.index == 0:
-            seq.request.prompt_logprobs = _prompt_logprobs(seq.prompt_ids, result["prompt_logprobs"][0])
+            scores = result["prompt_logprobs"][0]
+            seq.request.prompt_logprobs = _prompt_logprobs(seq.prompt_ids, scores)
         self._append(seq, result, 0, on_token)
 
     def _decode(self, running: list[_Sequence], on_token: TokenCallback | None) -> None:
@@ -263,18 +266,25 @@ class LLM:
         out.token_ids.append(token)
         if out.logprobs is not None:
             out.logprobs.append(_token_logprobs(result, row, token, seq.params.logprobs or 0))
-        delta = "" if token in seq.stop_ids else self._detokenize(seq, token)
+        emitted = len(out.text)
+        if token not in seq.stop_ids:
+            self._detokenize(seq, token)
         out.finish_reason = self._finish_reason(seq, token)
+        if out.finish_reason and not seq.stopped_by_string:
+            self._flush(seq)
         if on_token is not None:
-            on_token(seq.request, out, delta)
+            on_token(seq.request, out, out.text[emitted:])
 
-    def _detokenize(self, seq: _Sequence, token: int) -> str:
-        if seq.detokenizer is None:
-            return ""
-        before = len(seq.output.text)
-        seq.raw_text += seq.detokenizer.push(token)
-        seq.output.text = seq.raw_text
-        return seq.output.text[before:]
+    def _detokenize(self, seq: _Sequence, token: int) -> None:
+        if seq.detokenizer is not None:
+            seq.raw_text += seq.detokenizer.push(token)
+            seq.output.text = seq.raw_text
+
+    def _flush(self, seq: _Sequence) -> None:
+        """Emit bytes the detokenizer held back for an unfinished character."""
+        if seq.detokenizer is not None:
+            seq.raw_text += seq.detokenizer.flush()
+            seq.output.text = seq.raw_text
 
     def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
         out, params = seq.output, seq.params
@@ -294,6 +304,7 @@ class LLM:
         position, stop = found
         end = position + len(stop) if seq.params.include_stop_str_in_output else position
         seq.output.text = seq.raw_text[:end]
+        seq.stopped_by_string = True
         return True
 
 

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import codecs
 import json
-import mmap
 import os
 import re
-import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +35,7 @@ import tokenizers
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
 from jaxinfer.errors import ModelLoadError, RequestError
+from jaxinfer.gguf_file import read_gguf
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
@@ -83,97 +82,6 @@ def _incomplete_utf8_tail(data: bytes) -> bool:
                 return err.reason == "unexpected end of data" and err.start == 0
             return False
     return False
-
-
-# ---------------------------------------------------------------------------
-# GGUF metadata: a reader for the key/value section only (the tensors are not needed)
-# ---------------------------------------------------------------------------
-
-# fixed-size value types -> struct/numpy codes (little-endian); 8 is string, 9 array
-_FIXED_TYPES = (0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12)
-_GGUF_FIXED = {t: f"<{c}" for t, c in zip(_FIXED_TYPES, "BbHhIif?Qqd", strict=True)}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-_U64 = struct.Struct("<Q")
-
-
-class _GgufCursor:
-    """Reads GGUF metadata values one after another from a buffer."""
-
-    def __init__(self, buf: mmap.mmap | bytes, path: str) -> None:
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        return self.strings(1)[0]
-
-    def strings(self, count: int) -> list[str]:
-        out, buf, pos, unpack = [], self.buf, self.pos, _U64.unpack_from
-        for _ in range(count):
-            (size,) = unpack(buf, pos)
-            out.append(buf[pos + 8 : pos + 8 + size].decode("utf-8"))
-            pos += 8 + size
-        if pos > len(buf):
-            raise struct.error("string runs past the end of the file")
-        self.pos = pos
-        return out
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _GGUF_STRING:
-            return self.string()
-        if vtype == _GGUF_ARRAY:
-            return self.array()
-        if vtype not in _GGUF_FIXED:
-            raise ModelLoadError(f"{self.path}: unknown GGUF metadata value type {vtype}")
-        return self.scalar(_GGUF_FIXED[vtype])
-
-    def array(self) -> Any:
-        etype, count = self.scalar("<I"), self.scalar("<Q")
-        if etype == _GGUF_STRING:
-            return self.strings(count)
-        if etype in _GGUF_FIXED:
-            arr = np.frombuffer(self.buf, _GGUF_FIXED[etype], count=count, offset=self.pos)
-            self.pos += arr.nbytes
-            return arr.copy()
-        return [self.value(etype) for _ in range(count)]
-
-
-def _read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file (v2 or v3), read without touching the tensors."""
-    path = os.fspath(path)
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse_gguf_metadata(_GgufCursor(buf, path))
-    except FileNotFoundError as err:
-        raise ModelLoadError(f"GGUF file not found: {path}") from err
-    except OSError as err:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {err}") from err
-    except (struct.error, ValueError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"{path}: GGUF metadata is truncated or corrupt ({err})") from err
-
-
-def _parse_gguf_metadata(cur: _GgufCursor) -> dict[str, Any]:
-    if cur.buf[:4] != b"GGUF":
-        raise ModelLoadError(f"{cur.path} is not a GGUF file (it does not start with b'GGUF')")
-    cur.pos = 4
-    version = cur.scalar("<I")
-    if version not in (2, 3):
-        raise ModelLoadError(f"{cur.path}: GGUF version {version} is not supported (only 2 and 3)")
-    cur.scalar("<Q")  # tensor count
-    kv_count = cur.scalar("<Q")
-    meta: dict[str, Any] = {}
-    for _ in range(kv_count):
-        key = cur.string()
-        meta[key] = cur.value(cur.scalar("<I"))
-    return meta
-
-
-def _gguf_reader_metadata(reader: Any) -> dict[str, Any]:
-    """Metadata from a ``gguf.GGUFReader`` (slower to open than :func:`_read_gguf_metadata`)."""
-    return {key: field.contents() for key, field in reader.fields.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -796,7 +704,8 @@ class Tokenizer:
     def from_gguf(cls, path_or_reader: str | os.PathLike[str] | Any) -> Tokenizer:
         """The tokenizer stored in a GGUF's metadata (``tokenizer.ggml.model == 'llama'``).
 
-        Accepts a path, a ``gguf.GGUFReader`` or an already-read metadata mapping.
+        Accepts a path, an object with a ``metadata`` mapping
+        (a parsed GGUF file) or the metadata mapping itself.
         """
         meta = _gguf_metadata(path_or_reader)
         proto = _gguf_to_proto(meta)
@@ -1027,13 +936,12 @@ def _list_or_int(value: Any) -> Any:
 def _gguf_metadata(source: Any) -> Mapping[str, Any]:
     if isinstance(source, Mapping):
         return source
-    if hasattr(source, "fields"):  # a gguf.GGUFReader
-        return _gguf_reader_metadata(source)
+    if isinstance(getattr(source, "metadata", None), Mapping):  # jaxinfer.weights' GGUFFile
+        return source.metadata
     if isinstance(source, str | os.PathLike):
-        return _read_gguf_metadata(source)
+        return read_gguf(source, with_tensors=False).metadata
     raise ModelLoadError(
-        f"from_gguf needs a path, a gguf.GGUFReader or a metadata mapping, "
-        f"got {type(source).__name__}"
+        f"from_gguf needs a path, a parsed GGUF file or its metadata, got {type(source).__name__}"
     )
 
 

@@ -150,3 +150,18 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     write_gguf(path, config, params, "falcon")
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'falcon'"):
         _load(path)
+
+
+def test_reader_agrees_with_the_gguf_package(tmp_path: Path) -> None:
+    config, params = hf.load_hf_folder(TINY / "qwen2")
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(path, config, params, "qwen2", quantize=("ffn_",))
+    ours = gguf_loader.open_gguf(path)
+    theirs = gguf.GGUFReader(str(path))
+    for key, field in theirs.fields.items():
+        expected = field.contents()
+        assert np.array_equal(np.asarray(ours.get(key)), np.asarray(expected)), key
+    for tensor in theirs.tensors:
+        np.testing.assert_array_equal(
+            ours.tensors[tensor.name].dequantize(),
+            gguf.quants.dequantize(tensor.data, tensor.tensor_type), err_msg=tensor.name)

@@ -10,6 +10,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from jaxinfer.errors import ModelLoadError, RequestError
+from jaxinfer.gguf_file import read_gguf
 from jaxinfer.tokenizer import META_FILE, IncrementalDetokenizer, Tokenizer
 
 DATA = Path(__file__).parent / "data"
@@ -320,7 +322,8 @@ def test_from_gguf_path_reader_and_mapping_agree(tmp_path: Path) -> None:
     meta = {key: field.contents() for key, field in reader.fields.items()}
     text = "abc ab<start_of_turn>a\né"
     results = []
-    for source in (path, str(path), reader, meta):
+    parsed = read_gguf(path, with_tensors=False)
+    for source in (path, str(path), parsed, meta, SimpleNamespace(metadata=meta)):
         tok = Tokenizer.from_gguf(source)
         ids = tok.encode(text)
         results.append(ids)

@@ -51,7 +51,8 @@ class Preset:
 
 def list_presets() -> list[str]:
     folder = importlib.resources.files("jaxinfer.presets").joinpath("models")
-    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+    names = (p.name for p in folder.iterdir())
+    return sorted(name.removesuffix(".toml") for name in names if name.endswith(".toml"))
 
 
 def load_preset(name: str) -> Preset:
@@ -63,7 +64,8 @@ def load_preset(name: str) -> Preset:
             f"({', '.join(list_presets())})"
         )
     raw = tomllib.loads(file.read_text())
-    return Preset(name=raw["name"], source=raw.get("source"), config=ModelConfig.from_dict(raw["model"]))
+    config = ModelConfig.from_dict(raw["model"])
+    return Preset(name=raw["name"], source=raw.get("source"), config=config)
 
 
 def resolve_dtype(dtype: str | Any) -> Any:
@@ -79,7 +81,9 @@ def load_model(
 ) -> LoadedModel:
     """Load weights, config and tokenizer from any supported source."""
     if load_format not in LOAD_FORMATS:
-        raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+        raise ConfigError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )
     np_dtype = resolve_dtype(dtype)
     start = time.perf_counter()
     if load_format == "dummy":
@@ -120,17 +124,19 @@ def _load_real(
 def _load_gguf(path: Path, dtype: Any, name: str | None) -> tuple[ModelConfig, Params, Tokenizer]:
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.config_from_gguf(reader, name=name)
-    tokenizer = Tokenizer.from_gguf(path)
+    tokenizer = Tokenizer.from_gguf(reader)
     return config, gguf_loader.load_gguf_params(reader, config, dtype), tokenizer
 
 
-def _load_dummy(source: str | Path, dtype: Any) -> tuple[ModelConfig, Params, Tokenizer | None, str]:
+def _load_dummy(
+    source: str | Path, dtype: Any
+) -> tuple[ModelConfig, Params, Tokenizer | None, str]:
     """Random weights; the config comes from a preset, or from a file's metadata."""
     path = Path(source)
     tokenizer = None
     if path.is_file():
         reader = gguf_loader.open_gguf(path)
-        config, tokenizer = gguf_loader.config_from_gguf(reader), Tokenizer.from_gguf(path)
+        config, tokenizer = gguf_loader.config_from_gguf(reader), Tokenizer.from_gguf(reader)
     elif (path / "config.json").is_file():
         config = hf.config_from_hf(hf.read_json(path / "config.json"), path.name)
     else:

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from jaxinfer.errors import ModelLoadError
+from jaxinfer.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxinfer.model.config import ModelConfig, RopeScaling, gemma3_layer_types
 from jaxinfer.model.params import Params, check_param_shapes, stack_layers
-from jaxinfer.weights.gguf_file import GGUFFile, GGUFTensor, read_gguf
 
 # GGUF architecture name -> (our architecture, qkv bias, Q/K rows permuted by llama.cpp)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
