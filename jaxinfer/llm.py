@@ -14,11 +14,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from jaxinfer.errors import ConfigError, RequestError
+from jaxinfer.model.config import ModelConfig
 from jaxinfer.runner import CacheConfig, ModelRunner
 from jaxinfer.sampling import SamplingParams, find_stop_string
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -125,7 +125,7 @@ class LLM:
         return self.model.tokenizer
 
     @property
-    def config(self) -> Any:
+    def config(self) -> ModelConfig:
         return self.model.config
 
     @property

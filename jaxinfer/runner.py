@@ -24,7 +24,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -154,8 +153,7 @@ class ModelRunner:
         tokens[0, :length] = token_ids
         batch = self._batch(tokens, [slot], [0], [length], decode=False)
         sampling = make_sampling_arrays([params], [seed], [0], 1)
-        output = self._run(batch, sampling, [params], is_prefill=True)
-        return output
+        return self._run(batch, sampling, [params], is_prefill=True)
 
     def decode(
         self,
@@ -311,15 +309,3 @@ def _prompt_logprobs(
     scores = jax.lax.map(score, (jnp.moveaxis(h, 1, 0), jnp.moveaxis(y, 1, 0)))
     scores = jnp.moveaxis(scores, 0, 1).reshape(b, -1)[:, :t]
     return scores.at[:, -1].set(0.0)
-
-
-def describe_cache(runner: ModelRunner) -> dict[str, Any]:
-    """Numbers worth printing at start-up."""
-    cache = runner.cache
-    return {
-        "kv_bytes": runner.kv_bytes,
-        "kv_bytes_per_token": runner.config.kv_bytes_per_token(runner.dtype.itemsize),
-        "slots": cache.max_num_seqs,
-        "max_model_len": cache.max_model_len,
-        "block_size": cache.block_size,
-    }
