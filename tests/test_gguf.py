@@ -159,6 +159,8 @@ def test_reader_agrees_with_the_gguf_package(tmp_path: Path) -> None:
     ours = gguf_loader.open_gguf(path)
     theirs = gguf.GGUFReader(str(path))
     for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):  # the reader's pseudo-fields for the header
+            continue
         expected = field.contents()
         assert np.array_equal(np.asarray(ours.get(key)), np.asarray(expected)), key
     for tensor in theirs.tensors:

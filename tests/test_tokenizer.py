@@ -369,7 +369,7 @@ def test_from_gguf_errors(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not found"):
         Tokenizer.from_gguf(tmp_path / "missing.gguf")
     (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04 a zip file")
-    with pytest.raises(ModelLoadError, match="not a GGUF"):
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         Tokenizer.from_gguf(tmp_path / "not.gguf")
     full = _write_gguf(
         tmp_path / "full.gguf", model="llama", tokens=_TINY_PIECES, types=_tiny_types()
