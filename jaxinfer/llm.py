@@ -1,10 +1,12 @@
 """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
 The host loop is deliberately simple until the scheduler arrives: sequences
-wait in FCFS order for a free KV slot; a free slot is filled by a prefill of
-the whole prompt, and then all occupied slots decode together, one token per
-step, each with its own sampling settings. A finished sequence frees its
-slot at once, so the next waiting prompt starts on the following step.
+wait in FCFS order until a batch slot and enough KV blocks are free. Admission
+reserves blocks for the prompt plus `max_tokens` (capped by `max_model_len`),
+so a running sequence never runs out; a prefill of the whole prompt follows,
+and then all running sequences decode together, one token per step, each with
+its own sampling settings. A finished sequence frees its slot and blocks at
+once, so the next waiting prompt starts on the following step.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import secrets
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from jaxinfer.engine.block_manager import BlockAllocator
 from jaxinfer.errors import ConfigError, RequestError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.runner import CacheConfig, ModelRunner
@@ -76,6 +79,7 @@ class _Sequence:
     stop_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer | None
     slot: int = -1
+    blocks: list[int] = field(default_factory=list)
     stop_scan_from: int = 0
     raw_text: str = ""
     stopped_by_string: bool = False
@@ -105,6 +109,7 @@ class LLM:
         max_num_seqs: int = 8,
         block_size: int = 16,
         attention_impl: str = "xla",
+        kv_cache_memory: int | None = None,
         loaded: LoadedModel | None = None,
     ) -> None:
         self.model = loaded or load_model(model, dtype=dtype, load_format=load_format)
@@ -114,8 +119,10 @@ class LLM:
             max_num_seqs=max_num_seqs,
             block_size=block_size,
             attention_impl=attention_impl,
+            kv_cache_memory=kv_cache_memory,
         )
         self.runner = ModelRunner(config, self.model.params, cache)
+        self.blocks = BlockAllocator(self.runner.num_blocks, block_size)
         self._next_request = 0
 
     @property
@@ -219,37 +226,59 @@ class LLM:
             ids |= set(self.model.tokenizer.stop_token_ids)
         return tuple(sorted(ids))
 
+    def kv_cache_info(self) -> dict[str, int]:
+        """The KV pool's size, as reported at start-up."""
+        return {
+            "num_blocks": self.runner.num_blocks,
+            "block_size": self.blocks.block_size,
+            "max_cached_tokens": self.runner.num_blocks * self.blocks.block_size,
+            "bytes_per_token": self.runner.bytes_per_token,
+            "bytes": self.runner.kv_bytes,
+        }
+
     def _run(self, sequences: list[_Sequence], on_token: TokenCallback | None) -> None:
         waiting = deque(sequences)
         running: list[_Sequence] = []
         free_slots = list(range(self.runner.cache.max_num_seqs))[::-1]
         while waiting or running:
-            while waiting and free_slots:
+            while waiting and free_slots and self._reserve(waiting[0]):
                 seq = waiting.popleft()
                 seq.slot = free_slots.pop()
                 self._prefill(seq, on_token)
-                if seq.output.finish_reason:
-                    free_slots.append(seq.slot)
-                else:
-                    running.append(seq)
+                running.append(seq)
             if running:
-                self._decode(running, on_token)
-                for seq in [s for s in running if s.output.finish_reason]:
-                    running.remove(seq)
-                    free_slots.append(seq.slot)
+                self._decode([s for s in running if not s.output.finish_reason], on_token)
+            for seq in [s for s in running if s.output.finish_reason]:
+                running.remove(seq)
+                free_slots.append(seq.slot)
+                self.blocks.free(seq.blocks)
+
+    def _reserve(self, seq: _Sequence) -> bool:
+        """Allocate blocks for the prompt and every token it may generate, if free."""
+        tokens = min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
+        count = self.blocks.blocks_for(tokens)
+        if not self.blocks.can_allocate(count):
+            return False
+        seq.blocks = self.blocks.allocate(count)
+        return True
 
     def _prefill(self, seq: _Sequence, on_token: TokenCallback | None) -> None:
-        result = self.runner.prefill(seq.slot, seq.prompt_ids, seq.params, seq.seed)
+        result = self.runner.prefill(
+            seq.slot, seq.prompt_ids, seq.blocks, seq.params, seq.seed
+        )
         if seq.params.prompt_logprobs is not None and seq.output.index == 0:
             scores = result["prompt_logprobs"][0]
             seq.request.prompt_logprobs = _prompt_logprobs(seq.prompt_ids, scores)
         self._append(seq, result, 0, on_token)
 
     def _decode(self, running: list[_Sequence], on_token: TokenCallback | None) -> None:
+        if not running:
+            return
         result = self.runner.decode(
             slots=[s.slot for s in running],
             tokens=[s.output.token_ids[-1] for s in running],
             positions=[s.num_tokens - 1 for s in running],
+            block_tables=[s.blocks for s in running],
             params=[s.params for s in running],
             seeds=[s.seed for s in running],
             steps=[len(s.output.token_ids) for s in running],

@@ -12,10 +12,11 @@ Both sample on device and return the sampled tokens and their log-probs in one
 small pytree, fetched to the host in a single transfer. The KV pool and the
 penalty state are donated, so they are updated in place.
 
-KV layout: a paged pool of `block_size`-token blocks. Until the block manager
-arrives, slot `s` simply owns the fixed run of blocks
-[s * blocks_per_slot, (s + 1) * blocks_per_slot); the step functions already
-read through block tables, so nothing here changes when blocks are shared.
+KV layout: one pool per layer of `num_blocks` blocks of `block_size` tokens,
+sized from a memory budget. The caller (the host loop and its block
+allocator) owns the block tables; the runner turns them into the slot mapping
+(where each new token's K/V is written) and the padded block-table array the
+attention reads through. Slots only index the per-sequence penalty state.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from jaxinfer.sampling import (
 )
 
 MIN_PREFILL_BUCKET = 16
-MIN_DECODE_BLOCKS = 8
+MIN_CONTEXT_BLOCKS = 8
 PROMPT_LOGPROB_CHUNK = 128
 
 
@@ -58,8 +59,16 @@ class CacheConfig:
     max_num_seqs: int = 8
     block_size: int = 16
     attention_impl: str = "xla"
+    kv_cache_memory: int | None = None  # bytes; None: see `kv_cache_budget`
+    kv_cache_fraction: float = 0.9  # of free accelerator memory, when it is known
 
     def __post_init__(self) -> None:
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ConfigError(
+                f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.max_model_len < 2:
@@ -73,8 +82,34 @@ class CacheConfig:
             )
 
     @property
-    def blocks_per_slot(self) -> int:
+    def max_blocks_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)
+
+
+def kv_cache_budget(cache: CacheConfig, bytes_per_token: int) -> int:
+    """Bytes for the KV pool: `kv_cache_memory`, else a fraction of free device
+    memory where the device reports it (GPU/TPU), else (CPU) room for
+    `max_num_seqs` sequences of `max_model_len` tokens."""
+    if cache.kv_cache_memory is not None:
+        return cache.kv_cache_memory
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return int(free * cache.kv_cache_fraction)
+    return cache.max_num_seqs * cache.max_blocks_per_seq * cache.block_size * bytes_per_token
+
+
+def num_kv_blocks(cache: CacheConfig, bytes_per_token: int) -> int:
+    """Blocks that fit the budget; a clear error when one full sequence does not fit."""
+    budget = kv_cache_budget(cache, bytes_per_token)
+    blocks = budget // (bytes_per_token * cache.block_size)
+    if blocks < cache.max_blocks_per_seq:
+        raise ConfigError(
+            f"a KV cache of {budget:,} bytes holds {blocks * cache.block_size:,} tokens "
+            f"({bytes_per_token:,} bytes each), fewer than one max_model_len sequence "
+            f"({cache.max_model_len:,}): raise kv_cache_memory or lower max_model_len"
+        )
+    return blocks
 
 
 @struct.dataclass
@@ -97,6 +132,7 @@ class StepBatch:
     last_index: jax.Array  # [B] int32, index in T of each row's last real token
     slots: jax.Array  # [B] int32, penalty-state row (scratch row for padding)
     valid: jax.Array  # [B, T] bool, real (non-padding) tokens
+    fresh: jax.Array  # [B] bool, the row starts its sequence (position 0)
 
 
 class StepOutput(struct.PyTreeNode):
@@ -121,8 +157,9 @@ class ModelRunner:
         self.cache = cache
         self.params = jax.tree.map(jnp.asarray, params)
         self.dtype = self.params["embed"].dtype
-        num_rows = cache.max_num_seqs * cache.blocks_per_slot * cache.block_size
-        self.kv: KVCache = init_kv_cache(config, num_rows, self.dtype)
+        self.bytes_per_token = config.kv_bytes_per_token(jnp.dtype(self.dtype).itemsize)
+        self.num_blocks = num_kv_blocks(cache, self.bytes_per_token)
+        self.kv: KVCache = init_kv_cache(config, self.num_blocks * cache.block_size, self.dtype)
         slots = cache.max_num_seqs + 1
         self.penalties = PenaltyState(
             prompt_mask=jnp.zeros((slots, config.vocab_size), jnp.bool_),
@@ -144,14 +181,24 @@ class ModelRunner:
         return self._step._cache_size()
 
     def prefill(
-        self, slot: int, token_ids: Sequence[int], params: SamplingParams, seed: int
+        self,
+        slot: int,
+        token_ids: Sequence[int],
+        block_table: Sequence[int],
+        params: SamplingParams,
+        seed: int,
+        start: int = 0,
     ) -> dict[str, np.ndarray]:
-        """Run a whole prompt for `slot`, sample its first new token; returns host arrays."""
+        """Run prompt tokens at positions start.. for `slot` and sample the next token.
+
+        `start` > 0 continues after a prefix whose K/V are already in the
+        sequence's blocks (a later prompt chunk, or a prefix-cache hit).
+        """
         length = len(token_ids)
         bucket = min(next_power_of_two(length, MIN_PREFILL_BUCKET), self._max_tokens_bucket())
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :length] = token_ids
-        batch = self._batch(tokens, [slot], [0], [length], decode=False)
+        batch = self._batch(tokens, [slot], [start], [length], [block_table])
         sampling = make_sampling_arrays([params], [seed], [0], 1)
         return self._run(batch, sampling, [params], is_prefill=True)
 
@@ -160,6 +207,7 @@ class ModelRunner:
         slots: Sequence[int],
         tokens: Sequence[int],
         positions: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
         steps: Sequence[int],
@@ -168,12 +216,12 @@ class ModelRunner:
         size = next_power_of_two(len(slots), 1)
         padded = np.zeros((size, 1), np.int32)
         padded[: len(tokens), 0] = tokens
-        batch = self._batch(padded, slots, positions, [1] * len(slots), decode=True)
+        batch = self._batch(padded, slots, positions, [1] * len(slots), block_tables)
         sampling = make_sampling_arrays(params, seeds, steps, size)
         return self._run(batch, sampling, params, is_prefill=False)
 
     def _max_tokens_bucket(self) -> int:
-        return self.cache.blocks_per_slot * self.cache.block_size
+        return self.cache.max_blocks_per_seq * self.cache.block_size
 
     def _run(
         self, batch: StepBatch, sampling: SamplingArrays, params: Sequence[SamplingParams],
@@ -201,39 +249,40 @@ class ModelRunner:
         slots: Sequence[int],
         starts: Sequence[int],  # position of each row's first token
         lengths: Sequence[int],  # real tokens per row
-        *,
-        decode: bool,
+        block_tables: Sequence[Sequence[int]],
     ) -> StepBatch:
         b, t = tokens.shape
-        cache = self.cache
-        scratch_slot = cache.max_num_seqs
-        num_rows = self.kv.num_rows
+        bs = self.cache.block_size
         positions = np.zeros((b, t), np.int32)
-        slot_mapping = np.full((b, t), num_rows, np.int32)  # out of range: dropped
+        slot_mapping = np.full((b, t), self.kv.num_rows, np.int32)  # out of range: dropped
         valid = np.zeros((b, t), np.bool_)
         context = np.zeros((b,), np.int32)
-        row_slots = np.full((b,), scratch_slot, np.int32)
-        for row, (slot, start, length) in enumerate(zip(slots, starts, lengths, strict=True)):
+        row_slots = np.full((b,), self.cache.max_num_seqs, np.int32)  # scratch row
+        rows = zip(slots, starts, lengths, block_tables, strict=True)
+        for row, (slot, start, length, table) in enumerate(rows):
             pos = np.arange(start, start + length, dtype=np.int32)
+            blocks = np.asarray(table, np.int32)[pos // bs]
             positions[row, :length] = pos
-            slot_mapping[row, :length] = slot * cache.blocks_per_slot * cache.block_size + pos
+            slot_mapping[row, :length] = blocks * bs + pos % bs
             valid[row, :length] = True
             context[row] = start + length
             row_slots[row] = slot
-        blocks = self._context_blocks(int(context.max()), decode, t)
-        block_tables = np.zeros((b, blocks), np.int32)
-        for row, slot in enumerate(slots):
-            block_tables[row] = slot * cache.blocks_per_slot + np.arange(blocks)
-        meta = AttentionMetadata(positions, slot_mapping, block_tables, context)
-        last_index = np.maximum(np.asarray(lengths + [1] * (b - len(lengths))) - 1, 0)
-        return StepBatch(tokens, meta, last_index.astype(np.int32), row_slots, valid)
+        width = self._context_blocks(int(context.max()))
+        table_array = np.zeros((b, width), np.int32)  # padding entries read block 0, masked
+        for row, table in enumerate(block_tables):
+            used = min(len(table), width)
+            table_array[row, :used] = table[:used]
+        meta = AttentionMetadata(positions, slot_mapping, table_array, context)
+        last_index = np.zeros((b,), np.int32)
+        last_index[: len(lengths)] = np.asarray(lengths, np.int32) - 1
+        fresh = np.zeros((b,), np.bool_)
+        fresh[: len(starts)] = np.asarray(starts) == 0
+        return StepBatch(tokens, meta, last_index, row_slots, valid, fresh)
 
-    def _context_blocks(self, max_context: int, decode: bool, t: int) -> int:
-        """Blocks each row reads: a power-of-two bucket of the longest context."""
-        bs, cap = self.cache.block_size, self.cache.blocks_per_slot
-        if not decode:
-            return min(math.ceil(t / bs), cap)
-        return min(next_power_of_two(math.ceil(max_context / bs), MIN_DECODE_BLOCKS), cap)
+    def _context_blocks(self, max_context: int) -> int:
+        """Block-table width: a power-of-two bucket of the longest context."""
+        needed = math.ceil(max_context / self.cache.block_size)
+        return min(next_power_of_two(needed, MIN_CONTEXT_BLOCKS), self.cache.max_blocks_per_seq)
 
 
 def _bucket_logprobs(k: int) -> int:
@@ -276,14 +325,18 @@ def _step(
 
 
 def _reset_penalties(penalties: PenaltyState, batch: StepBatch) -> PenaltyState:
-    """Fresh statistics for the slots a prefill starts: the prompt's tokens, no outputs."""
+    """Record a prefill's prompt tokens; rows starting a sequence are cleared first."""
     vocab = penalties.prompt_mask.shape[1]
-    rows = jnp.broadcast_to(batch.slots[:, None], batch.tokens.shape)
+    fresh = batch.fresh[:, None]  # [B, 1]
+    mask = jnp.where(fresh, False, penalties.prompt_mask[batch.slots])  # [B, V]
+    counts = jnp.where(fresh, 0, penalties.output_counts[batch.slots])
+    rows = jnp.broadcast_to(jnp.arange(batch.tokens.shape[0])[:, None], batch.tokens.shape)
     cols = jnp.where(batch.valid, batch.tokens, vocab)  # padding -> out of range, dropped
-    mask = penalties.prompt_mask.at[batch.slots].set(False)
     mask = mask.at[rows, cols].set(True, mode="drop")
-    counts = penalties.output_counts.at[batch.slots].set(0)
-    return PenaltyState(prompt_mask=mask, output_counts=counts)
+    return PenaltyState(
+        prompt_mask=penalties.prompt_mask.at[batch.slots].set(mask),
+        output_counts=penalties.output_counts.at[batch.slots].set(counts),
+    )
 
 
 def _prompt_logprobs(

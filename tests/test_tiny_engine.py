@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, ConfigError, SamplingParams
 from jaxinfer.model.transformer import full_logits
 from jaxinfer.weights import load_model
 
@@ -70,3 +70,25 @@ def test_length_limit_of_the_context() -> None:
                                                       ignore_eos=True))[0]
     assert out.finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.token_ids) == 12
+
+
+def test_a_pool_too_small_for_one_sequence_names_the_setting() -> None:
+    model = load_model(TINY / "qwen2")
+    per_token = model.config.kv_bytes_per_token(4)
+    with pytest.raises(ConfigError, match="raise kv_cache_memory or lower max_model_len"):
+        LLM(loaded=model, max_model_len=64, block_size=4, kv_cache_memory=per_token * 60)
+
+
+def test_a_small_pool_queues_requests_and_keeps_outputs() -> None:
+    """Room for one sequence at a time: the others wait, and nothing changes."""
+    model = load_model(TINY / "llama")
+    per_token = model.config.kv_bytes_per_token(4)
+    roomy = LLM(loaded=model, max_model_len=64, max_num_seqs=4, block_size=4)
+    tight = LLM(loaded=model, max_model_len=64, max_num_seqs=4, block_size=4,
+                kv_cache_memory=per_token * 64)
+    assert tight.kv_cache_info()["max_cached_tokens"] == 64
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = roomy.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    got = tight.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert tight.blocks.num_free == tight.blocks.num_blocks

@@ -22,7 +22,12 @@ from flax import struct
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.layers import apply_rope, gated_mlp, layer_rope, linear, rms_norm
 from jaxinfer.model.params import Params
-from jaxinfer.ops.attention import NO_WINDOW, AttentionMetadata, attention_xla, write_kv
+from jaxinfer.ops.attention import (
+    NO_WINDOW,
+    AttentionMetadata,
+    paged_attention_reference,
+    write_kv,
+)
 
 AttentionFn = Callable[..., jax.Array]
 
@@ -71,7 +76,7 @@ def forward(
     meta: AttentionMetadata,
     *,
     block_size: int,
-    attention_fn: AttentionFn = attention_xla,
+    attention_fn: AttentionFn = paged_attention_reference,
 ) -> tuple[jax.Array, KVCache]:
     """Run all layers; writes the new K/V into the pool. Returns hidden [B, T, d_model]."""
     h = embed_tokens(params, config, tokens)

@@ -1,0 +1,1 @@
+"""The host side of serving: block management and scheduling (pure Python, no jax)."""

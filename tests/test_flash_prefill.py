@@ -1,0 +1,256 @@
+"""Flash prefill kernel (Pallas, interpret mode) against the paged reference and dense attention.
+
+Every case builds a contiguous K/V per sequence, scatters it into a paged pool
+through a random NON-contiguous block table (permuted blocks with unused ones
+in between, a second layer of noise), then compares, on real query slots only:
+the kernel against `paged_attention_reference`, and the kernel against a dense
+causal attention computed here in float64 numpy straight from contiguous K/V.
+Shapes are shared between cases so each jitted function compiles a few times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_prefill import flash_prefill_attention, reference
+from pallas_kernels.reference import NO_WINDOW, AttentionMetadata
+
+LAYER = 1  # read layer 1 of a 2-layer pool: layer 0 is noise
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+_kernel = jax.jit(
+    functools.partial(flash_prefill_attention, interpret=True),
+    static_argnames=("block_size", "scale", "softcap", "q_tile"),
+)
+_reference = jax.jit(reference, static_argnames=("block_size", "scale", "softcap"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Static shapes of one family of cases (one compilation per family)."""
+
+    batch: int
+    seq: int  # T: query slots per row
+    groups: int  # G = H / KV
+    kv_heads: int
+    head_dim: int
+    max_blocks: int
+    dtype: type = jnp.float32
+    block_size: int = 16
+    spare_blocks: int = 7  # unused pool blocks scattered between the used ones
+
+    @property
+    def heads(self) -> int:
+        return self.groups * self.kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+@dataclasses.dataclass
+class Problem:
+    shape: Shape
+    q: np.ndarray  # [B, T, H, hd] in shape.dtype
+    k_pool: np.ndarray  # [2, rows, KV, hd]
+    v_pool: np.ndarray  # [2, rows, KV, hd]
+    block_tables: np.ndarray  # [B, max_blocks]
+    positions: np.ndarray  # [B, T]
+    context_lens: list[int]
+    q_lens: list[int]  # real query slots per row
+    k_dense: np.ndarray  # [B, C, KV, hd] float64, contiguous per sequence
+    v_dense: np.ndarray  # [B, C, KV, hd]
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=jnp.asarray(self.positions),
+            slot_mapping=jnp.zeros_like(self.positions),  # unused by attention
+            block_tables=jnp.asarray(self.block_tables),
+            context_lens=jnp.asarray(self.context_lens, jnp.int32),
+        )
+
+
+GEMMA = Shape(batch=2, seq=48, groups=4, kv_heads=1, head_dim=256, max_blocks=4)
+GEMMA_BF16 = dataclasses.replace(GEMMA, dtype=jnp.bfloat16)
+
+
+def make_problem(shape: Shape, context_lens: list[int], q_lens: list[int], seed: int = 0):
+    """Random q/K/V (numpy only); K/V written to the pool through a shuffled block table."""
+    rng = np.random.default_rng(seed)
+    b, bs, c = shape.batch, shape.block_size, shape.max_blocks * shape.block_size
+    num_blocks = b * shape.max_blocks + shape.spare_blocks
+    tables = rng.permutation(num_blocks)[: b * shape.max_blocks].reshape(b, -1)
+    rows = (tables[:, :, None] * bs + np.arange(bs)).reshape(b, c)  # [B, C]
+    kv_shape = (2, num_blocks * bs, shape.kv_heads, shape.head_dim)
+    k_pool = rng.standard_normal(kv_shape).astype(shape.dtype)
+    v_pool = rng.standard_normal(kv_shape).astype(shape.dtype)
+    q = rng.standard_normal((b, shape.seq, shape.heads, shape.head_dim)).astype(shape.dtype)
+    positions = _positions(rng, shape.seq, context_lens, q_lens)
+    k_dense = k_pool[LAYER][rows].astype(np.float64)
+    v_dense = v_pool[LAYER][rows].astype(np.float64)
+    return Problem(
+        shape, q, k_pool, v_pool, tables.astype(np.int32), positions,
+        list(context_lens), list(q_lens), k_dense, v_dense,
+    )
+
+
+def _positions(rng, seq: int, context_lens: list[int], q_lens: list[int]) -> np.ndarray:
+    """[B, T] chunk positions ending at context_len - 1; garbage in padding slots."""
+    pos = rng.integers(-100, 5000, size=(len(context_lens), seq))
+    for b, (ctx, n) in enumerate(zip(context_lens, q_lens, strict=True)):
+        assert 0 < n <= min(ctx, seq)
+        pos[b, :n] = np.arange(ctx - n, ctx)
+    return pos.astype(np.int32)
+
+
+def dense_attention(p: Problem, window: int, softcap: float | None = None) -> list[np.ndarray]:
+    """Per row [q_len, H, hd]: causal softmax attention over contiguous K/V, float64."""
+    g, hd = p.shape.groups, p.shape.head_dim
+    outs = []
+    for b, n in enumerate(p.q_lens):
+        ctx = p.context_lens[b]
+        q = p.q[b, :n].astype(np.float64).reshape(n, -1, g, hd)  # [n, KV, G, hd]
+        k, v = p.k_dense[b, :ctx], p.v_dense[b, :ctx]  # [ctx, KV, hd]
+        s = np.einsum("nkgd,ckd->nkgc", q, k) * p.shape.scale
+        if softcap is not None:
+            s = np.tanh(s / softcap) * softcap
+        q_pos = np.arange(ctx - n, ctx)[:, None]
+        k_pos = np.arange(ctx)[None, :]
+        keep = (k_pos <= q_pos) & (q_pos - k_pos < window)  # [n, ctx]
+        s = np.where(keep[:, None, None], s, -np.inf)
+        w = np.exp(s - s.max(axis=-1, keepdims=True))
+        w /= w.sum(axis=-1, keepdims=True)
+        outs.append(np.einsum("nkgc,ckd->nkgd", w, v).reshape(n, -1, hd))
+    return outs
+
+
+def run(fn, p: Problem, window: int, softcap: float | None = None, **kw) -> np.ndarray:
+    """Call kernel or reference on a problem; window is traced (no recompiles)."""
+    out = fn(
+        jnp.asarray(p.q), jnp.asarray(p.k_pool), jnp.asarray(p.v_pool), jnp.int32(LAYER), p.meta,
+        block_size=p.shape.block_size, scale=p.shape.scale,
+        window=jnp.int32(window), softcap=softcap, **kw,
+    )
+    assert out.shape == p.q.shape and out.dtype == p.q.dtype
+    return np.asarray(out.astype(jnp.float32), np.float64)
+
+
+def assert_rows_close(got: np.ndarray, want, q_lens: list[int], tol: float, what: str):
+    """Max abs error over real query slots only."""
+    for b, n in enumerate(q_lens):
+        err = float(np.max(np.abs(got[b, :n] - np.asarray(want[b])[:n])))
+        assert err <= tol, f"{what}, row {b}: max abs error {err:.3g} > {tol}"
+
+
+def check(p: Problem, window: int = NO_WINDOW, softcap: float | None = None, **kw) -> np.ndarray:
+    """Kernel vs reference and vs dense, within the dtype's tolerance."""
+    got = run(_kernel, p, window, softcap, **kw)
+    tol = TOL[p.shape.dtype]
+    assert_rows_close(got, run(_reference, p, window, softcap), p.q_lens, tol, "vs reference")
+    assert_rows_close(got, dense_attention(p, window, softcap), p.q_lens, tol, "vs dense")
+    return got
+
+
+@pytest.mark.parametrize("shape", [GEMMA, GEMMA_BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("length", [16, 17, 32, 33, 48])
+def test_lengths_on_and_past_block_boundaries(shape: Shape, length: int):
+    """Whole prompts ending exactly on a block boundary (16, 32, 48) or one past it."""
+    other = 65 - length  # a chunk after a cached prefix, sharing the pool
+    check(make_problem(shape, [length, other], [length, max(1, other // 2)], seed=length))
+
+
+@pytest.mark.parametrize("shape", [GEMMA, GEMMA_BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [1, 5, 16, 45, 46, 60, NO_WINDOW])
+def test_sliding_window(shape: Shape, window: int):
+    """Windows smaller than, equal to (45) and larger than the context of row 0."""
+    check(make_problem(shape, [45, 61], [45, 40], seed=window), window)
+
+
+@pytest.mark.parametrize("chunk", [1, 11, 27])
+@pytest.mark.parametrize("window", [NO_WINDOW, 20])
+def test_chunked_prefill_after_cached_prefix(chunk: int, window: int):
+    """Queries start after a cached 37-token prefix (chunked prefill / prefix-cache hit)."""
+    check(make_problem(GEMMA, [37 + chunk, 37 + chunk], [chunk, chunk], seed=chunk), window)
+
+
+@pytest.mark.parametrize(("groups", "head_dim"), [(1, 128), (4, 64), (8, 256)])
+def test_gqa_ratios_and_head_dims(groups: int, head_dim: int):
+    """G query heads per KV head, two KV heads, a cached prefix and a padded tile.
+    With the Gemma (G=4, hd=256), ragged (G=2, hd=64) and long (G=1, hd=64) cases,
+    every G in {1, 2, 4, 8} and every hd in {64, 128, 256} is covered."""
+    shape = Shape(batch=2, seq=20, groups=groups, kv_heads=2, head_dim=head_dim, max_blocks=3)
+    check(make_problem(shape, [37, 12], [20, 12], seed=groups * head_dim), window=30)
+
+
+@pytest.mark.parametrize("window", [NO_WINDOW, 24])
+def test_ragged_batch(window: int):
+    """Rows of different lengths, some after a cached prefix, in one batch."""
+    shape = Shape(batch=4, seq=40, groups=2, kv_heads=2, head_dim=64, max_blocks=5)
+    check(make_problem(shape, [1, 17, 80, 40], [1, 17, 33, 40], seed=3), window)
+
+
+@pytest.mark.parametrize("window", [NO_WINDOW, 128])
+def test_one_and_thousand_token_rows(window: int):
+    """A 1-token prompt batched with a 1,000-token prompt."""
+    shape = Shape(batch=2, seq=1000, groups=1, kv_heads=1, head_dim=64, max_blocks=63)
+    check(make_problem(shape, [1, 1000], [1, 1000], seed=1), window, q_tile=64)
+
+
+@pytest.mark.parametrize("softcap", [5.0])
+def test_softcap(softcap: float):
+    check(make_problem(GEMMA, [40, 64], [40, 30], seed=5), 33, softcap)
+
+
+def test_masked_blocks_are_never_read_and_padding_stays_finite():
+    """NaN in every pool block the kernel must skip: outside the window, past the context,
+    and unused. Real rows still match dense attention; padding rows are finite, and
+    query tiles past a row's real length write zeros."""
+    p = make_problem(GEMMA, [64, 20], [16, 3], seed=7)  # row 0: positions 48..63
+    window, tables = 10, p.block_tables
+    used = {tables[0, 2], tables[0, 3], tables[1, 0], tables[1, 1]}  # blocks the window needs
+    poison = [blk not in used for blk in range(p.k_pool.shape[1] // GEMMA.block_size)]
+    rows = np.repeat(poison, GEMMA.block_size)  # [pool rows]
+    p.k_pool[LAYER, rows] = np.nan
+    p.v_pool[LAYER, rows] = np.nan
+    got = run(_kernel, p, window)
+    assert np.isfinite(got).all()
+    assert_rows_close(got, dense_attention(p, window), p.q_lens, TOL[GEMMA.dtype], "vs dense")
+    assert not got[:, 16:].any()  # query tiles with no real query write zeros
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_triton_for_cuda(dtype):
+    """The GPU path lowers (Pallas -> Triton IR) without a GPU attached."""
+    s = jax.ShapeDtypeStruct
+    b, t, pool = 2, 40, (2, 256, 1, 256)
+    meta = AttentionMetadata(
+        positions=s((b, t), jnp.int32), slot_mapping=s((b, t), jnp.int32),
+        block_tables=s((b, 6), jnp.int32), context_lens=s((b,), jnp.int32),
+    )
+    fn = jax.jit(functools.partial(flash_prefill_attention, block_size=16, scale=0.1))
+    traced = fn.trace(
+        s((b, t, 4, 256), dtype), s(pool, dtype), s(pool, dtype), s((), jnp.int32), meta,
+        window=s((), jnp.int32),
+    )
+    assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "q_tile", "field"),
+    [(96, 16, 16, "head_dim"), (64, 12, 16, "block_size"), (64, 16, 24, "q_tile")],
+)
+def test_rejects_tiles_triton_cannot_take(head_dim, block_size, q_tile, field):
+    q = jnp.zeros((1, 4, 2, head_dim))
+    pool = jnp.zeros((1, 4 * block_size, 1, head_dim))
+    meta = AttentionMetadata(*(jnp.zeros((1, 4), jnp.int32) for _ in range(3)), jnp.ones(1))
+    with pytest.raises(ValueError, match=field):
+        flash_prefill_attention(
+            q, pool, pool, 0, meta, block_size=block_size, scale=1.0, window=8, q_tile=q_tile
+        )
