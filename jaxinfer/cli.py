@@ -59,7 +59,12 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs", type=int, default=None, help="top log-probs per token")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-impl", default="xla", choices=["xla"])
+    parser.add_argument("--attention-impl", default="xla",
+                        choices=["xla", "pallas", "pallas-interpret"],
+                        help="xla (reference, CPU default) or the Pallas kernels")
+    parser.add_argument("--kv-cache-memory", type=int, default=None,
+                        help="bytes for the KV pool (default: fits the batch on CPU, "
+                        "90%% of free memory on accelerators)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no timing line on stderr")
     parser.set_defaults(handler=run_generate)
@@ -84,7 +89,9 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format,
               max_model_len=args.max_model_len, max_num_seqs=1,
-              attention_impl=args.attention_impl)
+              attention_impl=args.attention_impl, kv_cache_memory=args.kv_cache_memory)
+    if not args.quiet:
+        _print_cache(llm.kv_cache_info())
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -104,6 +111,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         _print_timing(llm.model.load_seconds, start, stamps)
     return 0
+
+
+def _print_cache(info: dict[str, int]) -> None:
+    print(f"[KV cache: {info['num_blocks']:,} blocks x {info['block_size']} tokens = "
+          f"{info['max_cached_tokens']:,} tokens, {info['bytes_per_token']:,} bytes/token, "
+          f"{info['bytes'] / 2**20:,.0f} MiB]", file=sys.stderr)
 
 
 def _as_json(output: object) -> dict[str, object]:

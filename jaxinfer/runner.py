@@ -35,7 +35,12 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
 from jaxinfer.model.transformer import KVCache, forward, init_kv_cache, lm_head
-from jaxinfer.ops.attention import ATTENTION_IMPLS, AttentionMetadata
+from jaxinfer.ops.attention import (
+    ATTENTION_IMPLS,
+    AttentionFn,
+    AttentionMetadata,
+    get_attention_fn,
+)
 from jaxinfer.sampling import (
     MAX_LOGPROBS,
     SampleOutput,
@@ -165,7 +170,8 @@ class ModelRunner:
             prompt_mask=jnp.zeros((slots, config.vocab_size), jnp.bool_),
             output_counts=jnp.zeros((slots, config.vocab_size), jnp.int32),
         )
-        step = partial(_step, config=config, block_size=cache.block_size)
+        step = partial(_step, config=config, block_size=cache.block_size,
+                       attention_fn=get_attention_fn(cache.attention_impl))
         self._step = jax.jit(
             step, static_argnames=("num_top_logprobs", "prompt_logprobs", "is_prefill"),
             donate_argnames=("kv", "penalties"),
@@ -301,12 +307,14 @@ def _step(
     *,
     config: ModelConfig,
     block_size: int,
+    attention_fn: AttentionFn,
     num_top_logprobs: int,
     prompt_logprobs: bool,
     is_prefill: bool,
 ) -> tuple[StepOutput, KVCache, PenaltyState]:
     """Forward, sample and update the penalty state, all in one compiled program."""
-    hidden, kv = forward(params, config, batch.tokens, kv, batch.meta, block_size=block_size)
+    hidden, kv = forward(params, config, batch.tokens, kv, batch.meta, block_size=block_size,
+                         attention_fn=attention_fn)
     last = jnp.take_along_axis(hidden, batch.last_index[:, None, None], axis=1)[:, 0]
     logits = lm_head(params, config, last)  # [B, V]
     if is_prefill:

@@ -22,8 +22,8 @@ slots run zero iterations and write zeros. One loop step reads one block: the
 physical block id from the block table, then `k_ref[layer, pl.ds(row0,
 block_size), kv_head, :]` straight from the full pool ref (no gather copy),
 and applies the causal / in-context / window mask and an online softmax
-(running max m, sum l, accumulator in f32; p is cast to the K/V dtype for the
-second matmul as in FlashAttention-2).
+(running max m, sum l, accumulator in f32; K/V are cast to q's dtype and p
+too for the second matmul, as in FlashAttention-2 and the reference).
 
 Masked scores take a finite floor, so rows masked in every block (padding
 slots) give finite values and rows with no block at all give zeros: never NaN.
@@ -31,13 +31,16 @@ Padding query slots (index >= context_len - positions[b, 0]) are masked
 entirely; their outputs are meaningless and ignored by the caller.
 
 Tile dims must be powers of two for Triton: q_tile, Gp, block_size and
-head_dim (checked). Queries and outputs are reshaped to [B, KV, T*Gp, hd] in
-the wrapper (one transpose each way, cheap next to attention).
+head_dim (checked); on GPU block_size and head_dim must also be >= 16 (the N
+and K of `tl.dot`), which the interpreter does not need. Queries and outputs
+are reshaped to [B, KV, T*Gp, hd] in the wrapper (one transpose each way,
+cheap next to attention).
 
 TPU (not done here): Mosaic wants the block table and loop bounds as scalar
 prefetch (SMEM) instead of ref loads, K/V blocks copied HBM->VMEM by explicit
 async DMA (double buffered) instead of dynamic `pl.ds` loads from an ANY-space
-pool, tiles aligned to (8, 128) with the KV block >= 128 tokens, and the
+pool, tiles aligned to Mosaic's (8, 128) layout with several pool blocks per
+KV step (a 16-token block is too small a matmul for the MXU), and the
 online-softmax state in VMEM scratch across a KV grid axis.
 """
 
@@ -105,9 +108,14 @@ def flash_prefill_attention(
     scalars = jnp.stack([jnp.asarray(layer), jnp.asarray(window)]).astype(jnp.int32)  # [2]
     kernel = functools.partial(_kernel, block_size=block_size, scale=scale, softcap=softcap)
     out = _pallas_call(kernel, q, kv_heads, tiling, interpret, num_warps, num_stages)(
-        scalars, bounds, meta.context_lens.astype(jnp.int32),
-        meta.block_tables.astype(jnp.int32), row_pos,
-        _group_queries(q, kv_heads, tiling), k_pool, v_pool,
+        scalars,
+        bounds,
+        meta.context_lens.astype(jnp.int32),
+        meta.block_tables.astype(jnp.int32),
+        row_pos,
+        _group_queries(q, kv_heads, tiling),
+        k_pool,
+        v_pool,
     )  # [B, KV, nt * M, hd]
     return _ungroup_outputs(out, q.shape, tiling)
 
@@ -240,8 +248,8 @@ def _kernel(
 
     def body(j, carry):
         rows = pl.ds(block_tables_ref[b, j] * block_size, block_size)
-        k = k_ref[layer, rows, kv_head, :]  # [bs, hd]
-        v = v_ref[layer, rows, kv_head, :]  # [bs, hd]
+        k = k_ref[layer, rows, kv_head, :].astype(q.dtype)  # [bs, hd]
+        v = v_ref[layer, rows, kv_head, :].astype(q.dtype)  # [bs, hd]
         s = _scores(q, k, scale, softcap)  # [M, bs]
         k_pos = j * block_size + jnp.arange(block_size, dtype=jnp.int32)  # [bs]
         mask = _mask(q_pos, k_pos, context_len, window)
@@ -253,9 +261,9 @@ def _kernel(
         jnp.full((m_rows,), MASK_VALUE, jnp.float32),  # running max
         jnp.zeros((m_rows,), jnp.float32),  # running sum
     )
-    acc, _, l = lax.fori_loop(bounds_ref[b, tile, 0], bounds_ref[b, tile, 1], body, init)
-    l = jnp.where(l > 0.0, l, 1.0)  # tiles with no KV block write zeros
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    acc, _, total = lax.fori_loop(bounds_ref[b, tile, 0], bounds_ref[b, tile, 1], body, init)
+    total = jnp.where(total > 0.0, total, 1.0)  # tiles with no KV block write zeros
+    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
 
 
 def _scores(q: jax.Array, k: jax.Array, scale: float, softcap: float | None) -> jax.Array:
@@ -270,7 +278,7 @@ def _scores(q: jax.Array, k: jax.Array, scale: float, softcap: float | None) -> 
 def _mask(q_pos: jax.Array, k_pos: jax.Array, context_len, window) -> jax.Array:
     """[M, bs] causal, in-context and sliding-window mask."""
     qp, kp = q_pos[:, None], k_pos[None, :]
-    return (kp <= qp + 1) & (qp - kp < window) & (kp < context_len)
+    return (kp <= qp) & (qp - kp < window) & (kp < context_len)
 
 
 def _online_softmax_step(carry, s: jax.Array, v: jax.Array):

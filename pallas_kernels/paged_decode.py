@@ -230,7 +230,7 @@ def _decode_kernel(
         k = k_ref[layer, rows, kv_head, :].astype(q.dtype)  # [bs, hd]
         v = v_ref[layer, rows, kv_head, :].astype(q.dtype)  # [bs, hd]
         k_pos = j * block_size + lax.broadcasted_iota(jnp.int32, (block_size,), 0)  # [bs]
-        valid = (k_pos < ctx) & (k_pos <= q_pos) & (q_pos - k_pos < window)  # [bs]
+        valid = (q_pos - k_pos < window)  # [bs]
         s = _scores(q, k, valid, scale, softcap, precision)  # [Gp, bs]
         return _online_softmax_step(carry, s, valid, v, precision)
 

@@ -96,8 +96,16 @@ def make_problem(shape: Shape, context_lens: list[int], q_lens: list[int], seed:
     k_dense = k_pool[LAYER][rows].astype(np.float64)
     v_dense = v_pool[LAYER][rows].astype(np.float64)
     return Problem(
-        shape, q, k_pool, v_pool, tables.astype(np.int32), positions,
-        list(context_lens), list(q_lens), k_dense, v_dense,
+        shape,
+        q,
+        k_pool,
+        v_pool,
+        tables.astype(np.int32),
+        positions,
+        list(context_lens),
+        list(q_lens),
+        k_dense,
+        v_dense,
     )
 
 
@@ -134,9 +142,16 @@ def dense_attention(p: Problem, window: int, softcap: float | None = None) -> li
 def run(fn, p: Problem, window: int, softcap: float | None = None, **kw) -> np.ndarray:
     """Call kernel or reference on a problem; window is traced (no recompiles)."""
     out = fn(
-        jnp.asarray(p.q), jnp.asarray(p.k_pool), jnp.asarray(p.v_pool), jnp.int32(LAYER), p.meta,
-        block_size=p.shape.block_size, scale=p.shape.scale,
-        window=jnp.int32(window), softcap=softcap, **kw,
+        jnp.asarray(p.q),
+        jnp.asarray(p.k_pool),
+        jnp.asarray(p.v_pool),
+        jnp.int32(LAYER),
+        p.meta,
+        block_size=p.shape.block_size,
+        scale=p.shape.scale,
+        window=jnp.int32(window),
+        softcap=softcap,
+        **kw,
     )
     assert out.shape == p.q.shape and out.dtype == p.q.dtype
     return np.asarray(out.astype(jnp.float32), np.float64)
@@ -180,11 +195,10 @@ def test_chunked_prefill_after_cached_prefix(chunk: int, window: int):
     check(make_problem(GEMMA, [37 + chunk, 37 + chunk], [chunk, chunk], seed=chunk), window)
 
 
-@pytest.mark.parametrize(("groups", "head_dim"), [(1, 128), (4, 64), (8, 256)])
+@pytest.mark.parametrize("groups", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gqa_ratios_and_head_dims(groups: int, head_dim: int):
-    """G query heads per KV head, two KV heads, a cached prefix and a padded tile.
-    With the Gemma (G=4, hd=256), ragged (G=2, hd=64) and long (G=1, hd=64) cases,
-    every G in {1, 2, 4, 8} and every hd in {64, 128, 256} is covered."""
+    """G query heads per KV head, two KV heads, a cached prefix and a padded tile."""
     shape = Shape(batch=2, seq=20, groups=groups, kv_heads=2, head_dim=head_dim, max_blocks=3)
     check(make_problem(shape, [37, 12], [20, 12], seed=groups * head_dim), window=30)
 
@@ -231,12 +245,18 @@ def test_lowers_to_triton_for_cuda(dtype):
     s = jax.ShapeDtypeStruct
     b, t, pool = 2, 40, (2, 256, 1, 256)
     meta = AttentionMetadata(
-        positions=s((b, t), jnp.int32), slot_mapping=s((b, t), jnp.int32),
-        block_tables=s((b, 6), jnp.int32), context_lens=s((b,), jnp.int32),
+        positions=s((b, t), jnp.int32),
+        slot_mapping=s((b, t), jnp.int32),
+        block_tables=s((b, 6), jnp.int32),
+        context_lens=s((b,), jnp.int32),
     )
     fn = jax.jit(functools.partial(flash_prefill_attention, block_size=16, scale=0.1))
     traced = fn.trace(
-        s((b, t, 4, 256), dtype), s(pool, dtype), s(pool, dtype), s((), jnp.int32), meta,
+        s((b, t, 4, 256), dtype),
+        s(pool, dtype),
+        s(pool, dtype),
+        s((), jnp.int32),
+        meta,
         window=s((), jnp.int32),
     )
     assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()

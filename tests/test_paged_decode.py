@@ -153,7 +153,7 @@ def test_gqa_ratios_and_head_dims(group: int, kv_heads: int, head_dim: int, dtyp
     ids=["on-boundary", "just-past-boundary", "just-before-boundary"],
 )
 def test_block_boundaries(ctx_lens: list[int]) -> None:
-    case = make_case(ctx_lens, kv_heads=2, group=2, max_blocks=4, seed=1)
+    case = make_case(ctx_lens, max_blocks=4, seed=1)
     assert_matches(case, NO_WINDOW)
 
 
@@ -163,7 +163,7 @@ def test_block_boundaries(ctx_lens: list[int]) -> None:
     ids=["w1", "w8-inside-block", "w16-block", "w40-equal", "w41-larger", "w100", "global"],
 )
 def test_sliding_window(window: int, num_splits: int) -> None:
-    case = make_case([40, 17, 64], seed=2)  # window compared with row 0's context of 40
+    case = make_case([40, 17, 64], max_blocks=4, seed=2)  # window vs row 0's context of 40
     assert_matches(case, window, num_splits=num_splits)
 
 
@@ -176,9 +176,9 @@ def test_split_k_gives_the_same_answer(num_splits: int) -> None:
     assert_matches(case, NO_WINDOW, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("num_splits", [1, 4])
 def test_padding_row_gives_zeros(num_splits: int) -> None:
-    case = make_case([0, 20, 0], seed=4)
+    case = make_case([0, 20, 0], max_blocks=4, seed=4)
     got = run_kernel(case, NO_WINDOW, num_splits=num_splits)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got[[0, 2]], 0.0)
@@ -194,15 +194,15 @@ def test_mixed_short_and_long_context(dtype, window: int) -> None:
 
 
 def test_softcap() -> None:
-    case = make_case([45, 3], kv_heads=1, group=4, seed=6)
-    capped = run_kernel(case, NO_WINDOW, softcap=2.0)
-    assert np.abs(capped - run_kernel(case, NO_WINDOW)).max() > 1e-3  # the cap matters
+    case = make_case([45, 3, 64], max_blocks=4, seed=6)
+    uncapped = dense_attention(case, NO_WINDOW)
+    assert np.abs(dense_attention(case, NO_WINDOW, 2.0) - uncapped).max() > 1e-2  # cap matters
     assert_matches(case, NO_WINDOW, softcap=2.0)
 
 
 def test_stale_nan_rows_do_not_leak() -> None:
     """Rows past the context in the last block and rows before the window may hold NaN."""
-    case = make_case([40, 17], seed=8)
+    case = make_case([40, 17, 64], max_blocks=4, seed=8)
     window = 8
     k_pool, v_pool = np.array(case.k_pool), np.array(case.v_pool)
     table = np.asarray(case.meta.block_tables)
@@ -239,8 +239,7 @@ def test_split_block_range_skips_blocks_outside_the_window(
     ]
     visited = [j for start, stop in ranges for j in range(start, stop)]
     assert visited == list(blocks)  # each live block exactly once, in order
-    sizes = [max(stop - start, 0) for start, stop in ranges]
-    assert max(sizes) - min(sizes) <= max(sizes) // 2 + 1 if sizes else True
+    assert all(stop - start <= -(-len(blocks) // num_splits) for start, stop in ranges)
 
 
 def test_choose_num_splits() -> None:

@@ -13,7 +13,6 @@ serves both kinds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +23,11 @@ from jaxinfer.model.layers import apply_rope, gated_mlp, layer_rope, linear, rms
 from jaxinfer.model.params import Params
 from jaxinfer.ops.attention import (
     NO_WINDOW,
+    AttentionFn,
     AttentionMetadata,
     paged_attention_reference,
     write_kv,
 )
-
-AttentionFn = Callable[..., jax.Array]
 
 
 @struct.dataclass

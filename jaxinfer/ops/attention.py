@@ -12,14 +12,37 @@ rows, and XLA fuses it with the K/V projection; a kernel would buy nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import jax
 
 from pallas_kernels.reference import NO_WINDOW, AttentionMetadata, paged_attention_reference
 
-ATTENTION_IMPLS = ("xla",)
+ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
 
-__all__ = ["ATTENTION_IMPLS", "NO_WINDOW", "AttentionMetadata", "paged_attention_reference",
-           "write_kv"]
+AttentionFn = Callable[..., jax.Array]
+
+__all__ = ["ATTENTION_IMPLS", "NO_WINDOW", "AttentionFn", "AttentionMetadata",
+           "get_attention_fn", "paged_attention_reference", "write_kv"]
+
+
+def get_attention_fn(impl: str) -> AttentionFn:
+    """The attention function for `impl`, all with the reference's signature."""
+    if impl == "xla":
+        return paged_attention_reference
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    return partial(_pallas_attention, interpret=impl == "pallas-interpret")
+
+
+def _pallas_attention(q: jax.Array, *args: object, interpret: bool, **kwargs: object) -> jax.Array:
+    """Decode steps (one query per row) take the paged decode kernel, prefill the flash one."""
+    from pallas_kernels.flash_prefill import flash_prefill_attention
+    from pallas_kernels.paged_decode import paged_decode_attention
+
+    kernel = paged_decode_attention if q.shape[1] == 1 else flash_prefill_attention
+    return kernel(q, *args, interpret=interpret, **kwargs)
 
 
 def write_kv(
