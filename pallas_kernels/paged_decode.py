@@ -9,10 +9,10 @@ Grid and data flow. The grid is (batch row, kv head, split). Each program loads
 the G query heads that share its KV head as one [Gp, hd] tile, then walks its
 share of the row's live KV blocks with `lax.fori_loop`: the block table names
 the physical block, and the K/V tiles [block_size, hd] are dynamic slices of
-the whole pool refs (the pools never get a BlockSpec, so nothing but the live
-tiles is read). Live blocks run from the block holding the first key inside the
-sliding window to the block holding the query itself; blocks outside that range
-are never loaded. Softmax is online (running max `m`, sum `l`, accumulator
+the whole pool refs (their BlockSpec is the full array, left in HBM, so only
+the live tiles are read). Live blocks run from the block holding the first key
+inside the sliding window to the block holding the query itself; blocks outside
+that range are never loaded. Softmax is online (running max `m`, sum `l`, accumulator
 `acc`), all in f32 whatever the input dtype; K/V tiles are multiplied in their
 own dtype (bf16 on tensor cores) with f32 accumulation.
 
@@ -35,8 +35,9 @@ so short buckets use one split. The division is dynamic (per row, after the
 window), so a split never walks blocks that the window excludes.
 
 Padding rows (context 0) have an empty block range: every split writes l = 0
-and the combine returns zeros, never NaN. Scores use a finite floor instead of
--inf for the same reason.
+and the combine returns zeros, never NaN. Masked scores get a finite floor, not
+-inf, and masked V rows are zeroed before the p·V dot, so stale rows (past the
+context in the last block, e.g. left by a freed sequence) never leak, even NaN.
 
 GPU constraints: block_size and head_dim must be powers of two and
 block_size >= 16 (Triton tile sizes and `tl.dot` minimums); interpret mode has
@@ -230,7 +231,7 @@ def _decode_kernel(
         k = k_ref[layer, rows, kv_head, :].astype(q.dtype)  # [bs, hd]
         v = v_ref[layer, rows, kv_head, :].astype(q.dtype)  # [bs, hd]
         k_pos = j * block_size + lax.broadcasted_iota(jnp.int32, (block_size,), 0)  # [bs]
-        valid = (q_pos - k_pos < window)  # [bs]
+        valid = (k_pos < ctx) & (k_pos <= q_pos) & (q_pos - k_pos < window)  # [bs]
         s = _scores(q, k, valid, scale, softcap, precision)  # [Gp, bs]
         return _online_softmax_step(carry, s, valid, v, precision)
 

@@ -104,7 +104,7 @@ def bench_dummy_model() -> dict:
     from jaxinfer.weights import load_model
 
     model = load_model("gemma3-270m", load_format="dummy", dtype="bfloat16")
-    prompts = [[2] + list(range(100, 100 + 200 + 7 * i)) for i in range(32)]
+    prompts = [[2, *range(100, 300 + 7 * i)] for i in range(32)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     result = {}
     for impl in ("xla", "pallas"):

@@ -258,3 +258,15 @@ def test_rejects_more_than_one_query_token() -> None:
         paged_decode_attention(q2, case.k_pool, case.v_pool, jnp.int32(LAYER), case.meta,
                                block_size=case.block_size, scale=1.0, window=NO_WINDOW,
                                interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_lowers_through_pallas_triton(dtype) -> None:
+    """The kernel stays inside what Pallas' Triton lowering supports (no GPU needed)."""
+    case = make_case([1, 100, 0], kv_heads=1, group=4, head_dim=256, dtype=dtype, seed=9)
+    attend = jax.jit(lambda q, k, v, layer, meta, window: paged_decode_attention(
+        q, k, v, layer, meta, block_size=16, scale=case.scale, window=window, softcap=30.0,
+        num_splits=2))
+    lowered = attend.trace(case.q, case.k_pool, case.v_pool, jnp.int32(LAYER), case.meta,
+                           jnp.int32(NO_WINDOW)).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
