@@ -80,3 +80,14 @@ def test_paged_greedy_generation_matches_hf(gemma, reference: dict, impl: str) -
                            sampling_params=params)
     for case, output in zip(cases, outputs, strict=True):
         assert output.token_ids == case["greedy_ids"], (impl, case["prompt"][:40])
+        assert output.text == case["greedy_text"]
+
+
+def test_kv_bytes_per_token_follow_the_formula(gemma: LoadedModel) -> None:
+    llm = LLM(loaded=gemma, max_model_len=256, max_num_seqs=2, kv_cache_memory=10_000_000)
+    info = llm.kv_cache_info()
+    config = gemma.config
+    assert info["bytes_per_token"] == 2 * config.num_layers * config.num_kv_heads * (
+        config.head_dim * 4) == 36_864
+    assert info["num_blocks"] == 10_000_000 // (36_864 * 16)
+    assert info["bytes"] == info["num_blocks"] * 16 * 36_864 <= 10_000_000
