@@ -45,6 +45,40 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
 
 
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig settings; unset flags keep the preset's (or the default) value."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--engine-preset", default=None,
+                       help="configs/engine/<name>.toml, e.g. cpu-offline, cpu-interactive")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=None)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=None)
+    group.add_argument("--kv-cache-memory", type=int, default=None,
+                       help="bytes for the KV pool (default: fits the batch on CPU, "
+                       "90%% of free memory on accelerators)")
+    group.add_argument("--attention-impl", default=None,
+                       choices=["xla", "pallas", "pallas-interpret"],
+                       help="xla (reference, CPU default) or the Pallas kernels")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", default=None)
+    group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
+                       action="store_false", default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace, **defaults: object):
+    """EngineConfig from --engine-preset, then `defaults`, then explicit flags."""
+    from jaxinfer.engine.config import EngineConfig, load_engine_preset
+
+    base = load_engine_preset(args.engine_preset) if args.engine_preset else EngineConfig()
+    if not args.engine_preset:
+        base = base.replace(**defaults)
+    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+             "kv_cache_memory", "attention_impl", "enable_prefix_caching",
+             "enable_chunked_prefill")
+    return base.replace(**{name: getattr(args, name) for name in names})
+
+
 def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     _add_model_flags(parser)
@@ -58,13 +92,7 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--logprobs", type=int, default=None, help="top log-probs per token")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-impl", default="xla",
-                        choices=["xla", "pallas", "pallas-interpret"],
-                        help="xla (reference, CPU default) or the Pallas kernels")
-    parser.add_argument("--kv-cache-memory", type=int, default=None,
-                        help="bytes for the KV pool (default: fits the batch on CPU, "
-                        "90%% of free memory on accelerators)")
+    _add_engine_flags(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no timing line on stderr")
     parser.set_defaults(handler=run_generate)
@@ -88,8 +116,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
     )
     llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format,
-              max_model_len=args.max_model_len, max_num_seqs=1,
-              attention_impl=args.attention_impl, kv_cache_memory=args.kv_cache_memory)
+              engine_config=engine_config_from_args(args, max_num_seqs=1))
     if not args.quiet:
         _print_cache(llm.kv_cache_info())
     prompt = args.prompt

@@ -138,11 +138,30 @@ class StepBatch:
     slots: jax.Array  # [B] int32, penalty-state row (scratch row for padding)
     valid: jax.Array  # [B, T] bool, real (non-padding) tokens
     fresh: jax.Array  # [B] bool, the row starts its sequence (position 0)
+    is_output: jax.Array  # [B, T] bool, token is an earlier output (resumed sequence)
+    emit: jax.Array  # [B] bool, the sampled token will be used
+    targets: jax.Array  # [B, T] int32, next token at each position (prompt log-probs)
 
 
 class StepOutput(struct.PyTreeNode):
     sample: SampleOutput
     prompt_logprobs: jax.Array  # [B, T] f32 log p(token t+1 | ..t); [B, 0] when not asked
+
+
+@dataclass
+class Row:
+    """One sequence's part of a step, as the host describes it."""
+
+    slot: int  # penalty-state row of the sequence
+    token_ids: Sequence[int]  # tokens to run (a prompt chunk, or the last sampled token)
+    start: int  # position of token_ids[0]
+    block_table: Sequence[int]
+    params: SamplingParams
+    seed: int
+    step: int  # tokens the sequence has sampled so far (advances the seeded key)
+    prompt_len: int  # positions below it are prompt tokens, the rest earlier outputs
+    emit: bool = True  # the sampled token is used (False for a non-final prompt chunk)
+    targets: Sequence[int] = ()  # next-token ids per position, for prompt log-probs
 
 
 def next_power_of_two(n: int, minimum: int) -> int:
@@ -186,53 +205,66 @@ class ModelRunner:
         """Distinct compiled variants of the step function so far."""
         return self._step._cache_size()
 
-    def prefill(
-        self,
-        slot: int,
-        token_ids: Sequence[int],
-        block_table: Sequence[int],
-        params: SamplingParams,
-        seed: int,
-        start: int = 0,
-    ) -> dict[str, np.ndarray]:
-        """Run prompt tokens at positions start.. for `slot` and sample the next token.
+    def prefill(self, rows: Sequence[Row]) -> dict[str, np.ndarray]:
+        """Run prompt chunks, one sequence per row; sample where a row `emit`s.
 
-        `start` > 0 continues after a prefix whose K/V are already in the
-        sequence's blocks (a later prompt chunk, or a prefix-cache hit).
+        A row may start after a prefix whose K/V are already in its blocks (an
+        earlier chunk, or a prefix-cache hit). Rows share one call, padded to
+        the longest chunk; the context read is always the full `max_model_len`
+        bucket, so prefill shapes depend only on (rows, chunk) buckets.
         """
-        length = len(token_ids)
+        length = max(len(r.token_ids) for r in rows)
         bucket = min(next_power_of_two(length, MIN_PREFILL_BUCKET), self._max_tokens_bucket())
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :length] = token_ids
-        batch = self._batch(tokens, [slot], [start], [length], [block_table])
-        sampling = make_sampling_arrays([params], [seed], [0], 1)
-        return self._run(batch, sampling, [params], is_prefill=True)
+        return self._run(rows, bucket, is_prefill=True)
 
-    def decode(
-        self,
-        slots: Sequence[int],
-        tokens: Sequence[int],
-        positions: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        params: Sequence[SamplingParams],
-        seeds: Sequence[int],
-        steps: Sequence[int],
-    ) -> dict[str, np.ndarray]:
-        """One new token for each listed slot; `positions` are those of `tokens`."""
-        size = next_power_of_two(len(slots), 1)
-        padded = np.zeros((size, 1), np.int32)
-        padded[: len(tokens), 0] = tokens
-        batch = self._batch(padded, slots, positions, [1] * len(slots), block_tables)
-        sampling = make_sampling_arrays(params, seeds, steps, size)
-        return self._run(batch, sampling, params, is_prefill=False)
+    def decode(self, rows: Sequence[Row]) -> dict[str, np.ndarray]:
+        """One new token for each row (its token_ids is the last sampled token)."""
+        return self._run(rows, 1, is_prefill=False)
 
     def _max_tokens_bucket(self) -> int:
         return self.cache.max_blocks_per_seq * self.cache.block_size
 
-    def _run(
-        self, batch: StepBatch, sampling: SamplingArrays, params: Sequence[SamplingParams],
-        *, is_prefill: bool,
-    ) -> dict[str, np.ndarray]:
+    def warmup(self, max_batched_tokens: int) -> None:
+        """Compile every (rows, length, context) bucket a scheduler within
+        `max_batched_tokens` can produce, with plain sampling (no log-probs)."""
+        for rows, length in self.prefill_shapes(max_batched_tokens):
+            self._warm(rows, length, self.cache.max_blocks_per_seq, is_prefill=True)
+        for rows in _powers_of_two(next_power_of_two(self.cache.max_num_seqs, 1)):
+            for width in self.decode_widths():
+                self._warm(rows, 1, width, is_prefill=False)
+
+    def prefill_shapes(self, max_batched_tokens: int) -> list[tuple[int, int]]:
+        """(rows, length) buckets: a group of length-bucket T holds chunks longer than T/2."""
+        cap = self._max_tokens_bucket()
+        longest = min(max_batched_tokens, cap)
+        lengths = sorted({min(p, cap) for p in _powers_of_two(
+            next_power_of_two(longest, MIN_PREFILL_BUCKET), MIN_PREFILL_BUCKET)})
+        shapes = []
+        for length in lengths:
+            shortest = 1 if length == MIN_PREFILL_BUCKET else next_power_of_two(
+                length, 1) // 2 + 1
+            most = min(self.cache.max_num_seqs, max(1, max_batched_tokens // shortest))
+            shapes += [(rows, length) for rows in _powers_of_two(next_power_of_two(most, 1))]
+        return shapes
+
+    def decode_widths(self) -> list[int]:
+        cap = self.cache.max_blocks_per_seq
+        widths = [w for w in _powers_of_two(cap, MIN_CONTEXT_BLOCKS) if w < cap]
+        return [*widths, cap]
+
+    def _warm(self, rows: int, length: int, width: int, *, is_prefill: bool) -> None:
+        batch = self._batch([], rows, length, is_prefill, width=width)  # all padding
+        sampling = make_sampling_arrays([], [], [], rows)
+        _, self.kv, self.penalties = self._step(
+            self.params, self.kv, self.penalties, batch, sampling,
+            num_top_logprobs=0, prompt_logprobs=False, is_prefill=is_prefill,
+        )
+
+    def _run(self, rows: Sequence[Row], length: int, *, is_prefill: bool) -> dict[str, np.ndarray]:
+        batch = self._batch(rows, next_power_of_two(len(rows), 1), length, is_prefill)
+        params = [r.params for r in rows]
+        sampling = make_sampling_arrays(params, [r.seed for r in rows], [r.step for r in rows],
+                                        batch.tokens.shape[0])
         num_top = max((p.logprobs or 0) for p in params)
         want_prompt = is_prefill and any(p.prompt_logprobs is not None for p in params)
         output, self.kv, self.penalties = self._step(
@@ -250,45 +282,71 @@ class ModelRunner:
         }
 
     def _batch(
-        self,
-        tokens: np.ndarray,  # [B, T]
-        slots: Sequence[int],
-        starts: Sequence[int],  # position of each row's first token
-        lengths: Sequence[int],  # real tokens per row
-        block_tables: Sequence[Sequence[int]],
+        self, rows: Sequence[Row], b: int, t: int, is_prefill: bool, width: int | None = None
     ) -> StepBatch:
-        b, t = tokens.shape
+        """Pad rows to [b, t]; padding rows point at the scratch slot and drop their K/V."""
         bs = self.cache.block_size
-        positions = np.zeros((b, t), np.int32)
-        slot_mapping = np.full((b, t), self.kv.num_rows, np.int32)  # out of range: dropped
-        valid = np.zeros((b, t), np.bool_)
-        context = np.zeros((b,), np.int32)
-        row_slots = np.full((b,), self.cache.max_num_seqs, np.int32)  # scratch row
-        rows = zip(slots, starts, lengths, block_tables, strict=True)
-        for row, (slot, start, length, table) in enumerate(rows):
-            pos = np.arange(start, start + length, dtype=np.int32)
-            blocks = np.asarray(table, np.int32)[pos // bs]
-            positions[row, :length] = pos
-            slot_mapping[row, :length] = blocks * bs + pos % bs
-            valid[row, :length] = True
-            context[row] = start + length
-            row_slots[row] = slot
-        width = self._context_blocks(int(context.max()))
-        table_array = np.zeros((b, width), np.int32)  # padding entries read block 0, masked
-        for row, table in enumerate(block_tables):
-            used = min(len(table), width)
-            table_array[row, :used] = table[:used]
-        meta = AttentionMetadata(positions, slot_mapping, table_array, context)
-        last_index = np.zeros((b,), np.int32)
-        last_index[: len(lengths)] = np.asarray(lengths, np.int32) - 1
-        fresh = np.zeros((b,), np.bool_)
-        fresh[: len(starts)] = np.asarray(starts) == 0
-        return StepBatch(tokens, meta, last_index, row_slots, valid, fresh)
+        arrays = {
+            "tokens": np.zeros((b, t), np.int32),
+            "targets": np.zeros((b, t), np.int32),
+            "positions": np.zeros((b, t), np.int32),
+            "slot_mapping": np.full((b, t), self.kv.num_rows, np.int32),  # out of range
+            "valid": np.zeros((b, t), np.bool_),
+            "is_output": np.zeros((b, t), np.bool_),
+            "context": np.zeros((b,), np.int32),
+            "slots": np.full((b,), self.cache.max_num_seqs, np.int32),  # scratch row
+            "last_index": np.zeros((b,), np.int32),
+            "fresh": np.zeros((b,), np.bool_),
+            "emit": np.zeros((b,), np.bool_),
+        }
+        for i, row in enumerate(rows):
+            _fill_row(arrays, i, row, bs)
+        if width is None:
+            width = self.cache.max_blocks_per_seq if is_prefill else self._context_blocks(
+                int(arrays["context"].max()))
+        tables = np.zeros((b, width), np.int32)  # padding entries read block 0, masked
+        for i, row in enumerate(rows):
+            used = min(len(row.block_table), width)
+            tables[i, :used] = row.block_table[:used]
+        meta = AttentionMetadata(arrays["positions"], arrays["slot_mapping"], tables,
+                                 arrays["context"])
+        return StepBatch(
+            tokens=arrays["tokens"], meta=meta, last_index=arrays["last_index"],
+            slots=arrays["slots"], valid=arrays["valid"], fresh=arrays["fresh"],
+            is_output=arrays["is_output"], emit=arrays["emit"], targets=arrays["targets"],
+        )
 
     def _context_blocks(self, max_context: int) -> int:
         """Block-table width: a power-of-two bucket of the longest context."""
         needed = math.ceil(max_context / self.cache.block_size)
         return min(next_power_of_two(needed, MIN_CONTEXT_BLOCKS), self.cache.max_blocks_per_seq)
+
+
+def _powers_of_two(top: int, start: int = 1) -> list[int]:
+    """start, 2*start, ... up to and including top (top a power of two >= start)."""
+    out = []
+    value = start
+    while value <= top:
+        out.append(value)
+        value *= 2
+    return out
+
+
+def _fill_row(arrays: dict[str, np.ndarray], i: int, row: Row, block_size: int) -> None:
+    n = len(row.token_ids)
+    pos = np.arange(row.start, row.start + n, dtype=np.int32)
+    blocks = np.asarray(row.block_table, np.int32)[pos // block_size]
+    arrays["tokens"][i, :n] = row.token_ids
+    arrays["targets"][i, : len(row.targets)] = row.targets
+    arrays["positions"][i, :n] = pos
+    arrays["slot_mapping"][i, :n] = blocks * block_size + pos % block_size
+    arrays["valid"][i, :n] = True
+    arrays["is_output"][i, :n] = pos >= row.prompt_len
+    arrays["context"][i] = row.start + n
+    arrays["slots"][i] = row.slot
+    arrays["last_index"][i] = n - 1
+    arrays["fresh"][i] = row.start == 0
+    arrays["emit"][i] = row.emit
 
 
 def _bucket_logprobs(k: int) -> int:
@@ -322,25 +380,28 @@ def _step(
     prompt_mask = penalties.prompt_mask[batch.slots]  # [B, V]
     counts = penalties.output_counts[batch.slots]
     sampled = sample(logits, sampling, prompt_mask, counts, num_top_logprobs)
-    new_counts = update_output_counts(counts, sampled.tokens, jnp.ones_like(batch.slots, bool))
+    new_counts = update_output_counts(counts, sampled.tokens, batch.emit)
     penalties = penalties.replace(
         output_counts=penalties.output_counts.at[batch.slots].set(new_counts)
     )
-    scores = _prompt_logprobs(params, config, hidden, batch.tokens) if prompt_logprobs else (
+    scores = _prompt_logprobs(params, config, hidden, batch.targets) if prompt_logprobs else (
         jnp.zeros((batch.tokens.shape[0], 0), jnp.float32)
     )
     return StepOutput(sample=sampled, prompt_logprobs=scores), kv, penalties
 
 
 def _reset_penalties(penalties: PenaltyState, batch: StepBatch) -> PenaltyState:
-    """Record a prefill's prompt tokens; rows starting a sequence are cleared first."""
+    """Record a prefill's tokens: prompt tokens in the mask, earlier outputs (a resumed
+    sequence) in the counts. Rows starting a sequence are cleared first."""
     vocab = penalties.prompt_mask.shape[1]
     fresh = batch.fresh[:, None]  # [B, 1]
     mask = jnp.where(fresh, False, penalties.prompt_mask[batch.slots])  # [B, V]
     counts = jnp.where(fresh, 0, penalties.output_counts[batch.slots])
     rows = jnp.broadcast_to(jnp.arange(batch.tokens.shape[0])[:, None], batch.tokens.shape)
-    cols = jnp.where(batch.valid, batch.tokens, vocab)  # padding -> out of range, dropped
-    mask = mask.at[rows, cols].set(True, mode="drop")
+    prompt_cols = jnp.where(batch.valid & ~batch.is_output, batch.tokens, vocab)  # else dropped
+    output_cols = jnp.where(batch.valid & batch.is_output, batch.tokens, vocab)
+    mask = mask.at[rows, prompt_cols].set(True, mode="drop")
+    counts = counts.at[rows, output_cols].add(1, mode="drop")
     return PenaltyState(
         prompt_mask=penalties.prompt_mask.at[batch.slots].set(mask),
         output_counts=penalties.output_counts.at[batch.slots].set(counts),
@@ -348,15 +409,14 @@ def _reset_penalties(penalties: PenaltyState, batch: StepBatch) -> PenaltyState:
 
 
 def _prompt_logprobs(
-    params: Params, config: ModelConfig, hidden: jax.Array, tokens: jax.Array
+    params: Params, config: ModelConfig, hidden: jax.Array, targets: jax.Array
 ) -> jax.Array:
-    """log p(tokens[t + 1] | tokens[..t]) for every t -> [B, T] (last column is 0).
+    """log p(targets[t] | tokens[..t]) for every position t -> [B, T].
 
     Runs the LM head over chunks of positions so the [T, V] logits never exist at once.
     """
     b, t, d = hidden.shape
     chunk = min(PROMPT_LOGPROB_CHUNK, t)
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
     pad = (-t) % chunk
     h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d)
     y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, -1, chunk)
@@ -368,5 +428,4 @@ def _prompt_logprobs(
         return jnp.take_along_axis(logp, y_chunk[..., None], axis=-1)[..., 0]
 
     scores = jax.lax.map(score, (jnp.moveaxis(h, 1, 0), jnp.moveaxis(y, 1, 0)))
-    scores = jnp.moveaxis(scores, 0, 1).reshape(b, -1)[:, :t]
-    return scores.at[:, -1].set(0.0)
+    return jnp.moveaxis(scores, 0, 1).reshape(b, -1)[:, :t]
