@@ -21,10 +21,12 @@ attention reads through. Slots only index the per-sequence penalty state.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -189,12 +191,8 @@ class ModelRunner:
             prompt_mask=jnp.zeros((slots, config.vocab_size), jnp.bool_),
             output_counts=jnp.zeros((slots, config.vocab_size), jnp.int32),
         )
-        step = partial(_step, config=config, block_size=cache.block_size,
-                       attention_fn=get_attention_fn(cache.attention_impl))
-        self._step = jax.jit(
-            step, static_argnames=("num_top_logprobs", "prompt_logprobs", "is_prefill"),
-            donate_argnames=("kv", "penalties"),
-        )
+        self._record = _jitted_record()
+        self._step = _jitted_step(config, cache.block_size, cache.attention_impl)
 
     @property
     def kv_bytes(self) -> int:
@@ -216,6 +214,15 @@ class ModelRunner:
         length = max(len(r.token_ids) for r in rows)
         bucket = min(next_power_of_two(length, MIN_PREFILL_BUCKET), self._max_tokens_bucket())
         return self._run(rows, bucket, is_prefill=True)
+
+    def record_history(self, slot: int, token_ids: Sequence[int], prompt_len: int) -> None:
+        """Start `slot`'s penalty statistics from tokens whose K/V are already cached
+        (a prefix-cache hit): the prefill that follows starts after them."""
+        size = next_power_of_two(len(token_ids), MIN_PREFILL_BUCKET)
+        tokens = np.full((size,), self.config.vocab_size, np.int32)  # padding: dropped
+        tokens[: len(token_ids)] = token_ids
+        is_output = np.arange(size) >= prompt_len
+        self.penalties = self._record(self.penalties, np.int32(slot), tokens, is_output)
 
     def decode(self, rows: Sequence[Row]) -> dict[str, np.ndarray]:
         """One new token for each row (its token_ids is the last sampled token)."""
@@ -322,6 +329,22 @@ class ModelRunner:
         return min(next_power_of_two(needed, MIN_CONTEXT_BLOCKS), self.cache.max_blocks_per_seq)
 
 
+@functools.cache
+def _jitted_step(config: ModelConfig, block_size: int, attention_impl: str) -> Any:
+    """One jitted step per (model config, block size, kernel): runners share compilations."""
+    step = partial(_step, config=config, block_size=block_size,
+                   attention_fn=get_attention_fn(attention_impl))
+    return jax.jit(
+        step, static_argnames=("num_top_logprobs", "prompt_logprobs", "is_prefill"),
+        donate_argnames=("kv", "penalties"),
+    )
+
+
+@functools.cache
+def _jitted_record() -> Any:
+    return jax.jit(_record_history, donate_argnames=("penalties",))
+
+
 def _powers_of_two(top: int, start: int = 1) -> list[int]:
     """start, 2*start, ... up to and including top (top a power of two >= start)."""
     out = []
@@ -405,6 +428,21 @@ def _reset_penalties(penalties: PenaltyState, batch: StepBatch) -> PenaltyState:
     return PenaltyState(
         prompt_mask=penalties.prompt_mask.at[batch.slots].set(mask),
         output_counts=penalties.output_counts.at[batch.slots].set(counts),
+    )
+
+
+def _record_history(
+    penalties: PenaltyState, slot: jax.Array, tokens: jax.Array, is_output: jax.Array
+) -> PenaltyState:
+    """Reset a slot's row, then mark tokens [H] (out of range = padding) as prompt or output."""
+    vocab = penalties.prompt_mask.shape[1]
+    prompt_cols = jnp.where(is_output, vocab, tokens)
+    output_cols = jnp.where(is_output, tokens, vocab)
+    mask = jnp.zeros((vocab,), jnp.bool_).at[prompt_cols].set(True, mode="drop")
+    counts = jnp.zeros((vocab,), jnp.int32).at[output_cols].add(1, mode="drop")
+    return PenaltyState(
+        prompt_mask=penalties.prompt_mask.at[slot].set(mask),
+        output_counts=penalties.output_counts.at[slot].set(counts),
     )
 
 

@@ -273,6 +273,11 @@ class LLMEngine:
                 metrics.cached_tokens = chunk.seq.num_cached
 
     def _run_prefills(self, chunks: list[PrefillChunk]) -> list[StreamDelta]:
+        for chunk in chunks:
+            if chunk.first and chunk.start:
+                seq = chunk.seq  # a prefix-cache hit: penalties start from the cached tokens
+                self.runner.record_history(seq.slot, seq.tokens(0, chunk.start),
+                                           len(seq.prompt_ids))
         rows = [self._prefill_row(chunk) for chunk in chunks]
         result = self.runner.prefill(rows)
         deltas = []

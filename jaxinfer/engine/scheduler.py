@@ -88,7 +88,9 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < self.num_tokens - 1
+        """Tokens other than the newest sampled one still lack K/V (a fresh prompt's
+        last token counts as prompt: it goes through a prefill chunk, not a decode)."""
+        return self.num_computed < self.num_tokens - 1 or not self.output_ids
 
 
 @dataclass
@@ -96,6 +98,7 @@ class PrefillChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    first: bool = False  # the first chunk since (re)admission; start > 0 on a cache hit
 
     @property
     def completes(self) -> bool:
@@ -214,7 +217,7 @@ class Scheduler:
             seq.num_cached = cached
         seq.status, seq.slot = Status.RUNNING, self._free_slots.pop()
         self.running.append(seq)
-        out.prefills.append(PrefillChunk(seq, cached, chunk))
+        out.prefills.append(PrefillChunk(seq, cached, chunk, first=True))
         return True
 
     def on_computed(self, seq: Sequence, num_tokens: int) -> None:
