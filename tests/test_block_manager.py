@@ -113,10 +113,10 @@ def test_freeing_one_sharer_keeps_the_prefix_for_the_other() -> None:
     second = _run(manager, [*range(8), 50, 51])
     assert second[:2] == first[:2] and second[2] != first[2]
     assert [manager.ref_count(b) for b in first[:2]] == [2, 2]
-    manager.free(first)
+    manager.free(first[::-1])
     assert [manager.ref_count(b) for b in second] == [1, 1, 1]
     assert manager.num_used == 3 and manager.num_free == 5
-    manager.free(second)
+    manager.free(second[::-1])
     assert manager.num_used == 0 and manager.num_free == 8 and manager.num_cached == 2
 
 
@@ -124,8 +124,8 @@ def test_cached_blocks_are_evicted_last_and_least_recently_used_first() -> None:
     manager = BlockManager(num_blocks=6, block_size=BS)
     old = _run(manager, [1] * 9)  # 3 blocks, 2 of them keyed
     new = _run(manager, [2] * 9)
-    manager.free(old)
-    manager.free(new)
+    manager.free(old[::-1])  # tail first, as callers do
+    manager.free(new[::-1])
     assert manager.num_free == 6 and manager.num_cached == 4
     # Truly free blocks (the two partial tails) go before any cached block.
     assert sorted(manager.allocate(2)) == sorted([old[2], new[2]])
@@ -145,7 +145,7 @@ def test_cached_blocks_are_evicted_last_and_least_recently_used_first() -> None:
 def test_match_revives_an_unreferenced_cached_block() -> None:
     manager = BlockManager(num_blocks=4, block_size=BS)
     table = _run(manager, list(range(5)))
-    manager.free(table)
+    manager.free(table[::-1])
     assert manager.num_free == 4 and manager.num_used == 0
     blocks, _ = manager.match_prefix(list(range(5)))
     assert blocks == table[:1] and manager.ref_count(table[0]) == 1
@@ -190,7 +190,7 @@ def test_a_duplicate_block_keeps_the_first_holder() -> None:
     assert manager.num_cached == 1
     assert manager.match_prefix(tokens) == ([a[0]], 4)
     manager.free([a[0]])
-    manager.free(b)  # b[0] duplicates a live key: plain free, not cached
+    manager.free(b[::-1])  # b[0] duplicates a live key: plain free, not cached
     assert manager.num_cached == 1 and manager.ref_count(a[0]) == 1
 
 
@@ -207,7 +207,7 @@ def test_hit_rate_counts_queried_and_hit_tokens() -> None:
 def test_reset_prefix_cache_forgets_every_key() -> None:
     manager = BlockManager(num_blocks=8, block_size=BS)
     live = _run(manager, list(range(9)))
-    manager.free(_run(manager, [5] * 9))
+    manager.free(_run(manager, [5] * 9)[::-1])
     manager.reset_prefix_cache()
     assert manager.num_cached == 0 and manager.num_free == 5
     assert manager.match_prefix(list(range(9))) == ([], 0)
@@ -220,9 +220,9 @@ def test_disabled_prefix_caching_is_the_plain_allocator() -> None:
     table = _run(manager, list(range(9)))
     assert manager.num_cached == 0 and manager.match_prefix(list(range(9))) == ([], 0)
     assert manager.queried_tokens == 0 and manager.hit_rate == 0.0
-    manager.free(table)
+    manager.free(table[::-1])
     assert manager.num_free == 4 and manager.num_cached == 0
-    assert manager.allocate(4) == [3, *reversed(table)]  # FIFO free list, tail freed first
+    assert manager.allocate(4) == [3, *reversed(table)]  # FIFO free list, in freeing order
 
 
 # -- randomized invariants ------------------------------------------------
@@ -267,18 +267,18 @@ def test_random_operations_keep_the_books_straight() -> None:
                 tables.append(table)
                 _compute(manager, content, prompt, table, cached)
             else:
-                manager.free(table)
+                manager.free(table[::-1])
         elif op < 0.65 and seqs:  # decode one token
             i = rng.randrange(len(seqs))
             seqs[i].append(rng.randrange(3))
             if manager.grow(tables[i], len(seqs[i])):
                 _compute(manager, content, seqs[i], tables[i], len(seqs[i]) - 1)
             else:  # preempt
-                manager.free(tables.pop(i))
+                manager.free(tables.pop(i)[::-1])
                 seqs.pop(i)
         elif op < 0.9 and seqs:  # finish
             i = rng.randrange(len(seqs))
-            manager.free(tables.pop(i))
+            manager.free(tables.pop(i)[::-1])
             seqs.pop(i)
         elif op < 0.98 and seqs:  # fork a sample whose blocks are all full
             i = rng.randrange(len(seqs))

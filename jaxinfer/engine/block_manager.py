@@ -52,8 +52,9 @@ class BlockManager:
     1. `blocks, cached = match_prefix(prompt)` then `grow(blocks, len(prompt))`
        (or `free(blocks)` if growing fails); compute tokens from `cached` on;
     2. `commit(blocks, tokens, num_computed)` after each step that computed KV;
-    3. `free(blocks)` when done, passing the table in logical order: `free`
-       releases it tail first, so a sequence's prefix blocks are evicted last.
+    3. `free(blocks[::-1])` when done: pass the table TAIL FIRST. `free` releases
+       blocks in the order given, so the prefix joins the LRU last and is
+       evicted last (its blocks are the ones most likely to be matched again).
 
     Shared blocks must not be written: `share` only blocks that are full.
     """
@@ -134,14 +135,14 @@ class BlockManager:
             self._check_owned(block)
             self._refs[block] += 1
 
-    def free(self, block_table: Sequence[int]) -> None:
-        """Drop one reference per block, tail first (pass the table in logical order).
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference per block, in the order given: pass a table tail first.
 
         A block left unreferenced becomes evictable if it holds a registered key,
-        else free. Releasing the tail first puts the prefix at the LRU's young
-        end, so prefix blocks, the ones most likely to be matched, go last.
+        else free; later releases are younger in the LRU, so `free(table[::-1])`
+        makes the prefix blocks, the ones most likely to be matched, go last.
         """
-        for block in reversed(block_table):
+        for block in blocks:
             self._check_owned(block)
             self._refs[block] -= 1
             if self._refs[block] == 0:
