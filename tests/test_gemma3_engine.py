@@ -39,7 +39,7 @@ def alone(gemma: LoadedModel, reference: dict) -> list[list[int]]:
     "settings",
     [{"enable_prefix_caching": False},
      {"enable_prefix_caching": True, "max_num_batched_tokens": 512},  # admitted over steps
-     {"kv_cache_memory": 36_864 * 2_600}],
+     {"kv_cache_memory": 36_864 * 1_400}],  # 87 blocks: fewer than the crowd needs
     ids=["crowd", "crowd-prefix-cache", "crowd-tiny-pool"],
 )
 def test_32_prompts_together_equal_each_alone(gemma, reference, alone, settings) -> None:
