@@ -1,4 +1,4 @@
-"""The `jaxinfer` command: generate | convert.
+"""The `jaxinfer` command: generate | convert | serve | client.
 
 Errors a user can fix (a missing file, a bad setting, a prompt too long) are
 printed as one line naming the problem, with exit status 2, not a traceback.
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="generate text from a prompt"))
     _add_convert(commands.add_parser("convert", help="convert weights to a jaxinfer checkpoint"))
+    _add_serve(commands.add_parser("serve", help="serve a model over gRPC"))
+    _add_client(commands.add_parser("client", help="stream a completion from jaxinfer serve"))
     return parser
 
 
@@ -184,6 +186,73 @@ def run_convert(args: argparse.Namespace) -> int:
     print(f"loaded {loaded.source} ({loaded.kind}) in {loaded.load_seconds:.1f}s; "
           f"wrote {out} in {time.perf_counter() - start:.1f}s")
     return 0
+
+
+def _add_serve(parser: argparse.ArgumentParser) -> None:
+    _add_model_flags(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free)")
+    parser.add_argument("--metrics-port", type=int, default=9090,
+                        help="Prometheus /metrics port (0 = any free)")
+    parser.add_argument("--no-metrics", action="store_true", help="no metrics endpoint")
+    parser.add_argument("--max-waiting", type=int, default=64,
+                        help="queued sequences before RESOURCE_EXHAUSTED")
+    parser.add_argument("--retry-after-ms", type=int, default=500,
+                        help="retry hint sent with RESOURCE_EXHAUSTED")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0,
+                        help="seconds open streams get to finish on SIGTERM")
+    parser.add_argument("--warmup", action="store_true",
+                        help="compile every step shape before serving (slow on CPU)")
+    _add_engine_flags(parser)
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from jaxinfer.engine.llm_engine import LLMEngine
+    from jaxinfer.weights import load_model
+    from serve.config import ServerConfig
+    from serve.server import run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = ServerConfig(
+        host=args.host, port=args.port, metrics_port=None if args.no_metrics else args.metrics_port,
+        max_waiting=args.max_waiting, retry_after_ms=args.retry_after_ms,
+        shutdown_grace=args.shutdown_grace,
+    )
+    loaded = load_model(args.model, dtype=args.dtype, load_format=args.load_format)
+    engine = LLMEngine(loaded, engine_config_from_args(args))
+    if args.warmup:
+        print(f"[warmup: {engine.warmup()} compiled step shapes]", file=sys.stderr)
+    return run(engine, config)
+
+
+def _add_client(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", default=None, help="the prompt text")
+    parser.add_argument("--server", default="127.0.0.1:50051", help="host:port of jaxinfer serve")
+    parser.add_argument("--token-ids", default=None,
+                        help="comma-separated prompt token ids instead of text")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    parser.add_argument("--system", default=None, help="a system message (with --chat)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    group = parser.add_argument_group("sampling")
+    for flag, kind in (("max-tokens", int), ("temperature", float), ("top-k", int),
+                       ("top-p", float), ("min-p", float), ("repetition-penalty", float),
+                       ("presence-penalty", float), ("frequency-penalty", float),
+                       ("seed", int), ("n", int), ("logprobs", int)):
+        group.add_argument(f"--{flag}", type=kind, default=None)
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--stop-token-ids", default=None, help="comma-separated ids")
+    group.add_argument("--ignore-eos", action="store_true", default=None)
+    parser.set_defaults(handler=run_client)
+
+
+def run_client(args: argparse.Namespace) -> int:
+    from serve.client import run_client as run
+
+    return run(args)
 
 
 def _folder_name(name: str) -> str:

@@ -38,9 +38,9 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
 from jaxinfer.model.transformer import KVCache, forward, init_kv_cache, lm_head
 from jaxinfer.ops.attention import (
-    ATTENTION_IMPLS,
     AttentionFn,
     AttentionMetadata,
+    check_attention_impl,
     get_attention_fn,
 )
 from jaxinfer.sampling import (
@@ -82,11 +82,7 @@ class CacheConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ConfigError(
-                f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, "
-                f"got {self.attention_impl!r}"
-            )
+        check_attention_impl(self.attention_impl)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxinfer.errors import ConfigError
-
-ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
+from jaxinfer.ops.attention import check_attention_impl
 
 
 @dataclass(frozen=True)
@@ -33,11 +32,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ConfigError(
-                f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, "
-                f"got {self.attention_impl!r}"
-            )
+        check_attention_impl(self.attention_impl)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with the non-None `changes` applied."""

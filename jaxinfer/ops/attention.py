@@ -17,6 +17,7 @@ from functools import partial
 
 import jax
 
+from jaxinfer.errors import ConfigError
 from pallas_kernels.reference import NO_WINDOW, AttentionMetadata, paged_attention_reference
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
@@ -24,15 +25,22 @@ ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
 AttentionFn = Callable[..., jax.Array]
 
 __all__ = ["ATTENTION_IMPLS", "NO_WINDOW", "AttentionFn", "AttentionMetadata",
-           "get_attention_fn", "paged_attention_reference", "write_kv"]
+           "check_attention_impl", "get_attention_fn", "paged_attention_reference", "write_kv"]
+
+
+def check_attention_impl(impl: str) -> None:
+    """Raise ConfigError unless `impl` names an attention implementation."""
+    if impl not in ATTENTION_IMPLS:
+        raise ConfigError(
+            f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}"
+        )
 
 
 def get_attention_fn(impl: str) -> AttentionFn:
     """The attention function for `impl`, all with the reference's signature."""
     if impl == "xla":
         return paged_attention_reference
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    check_attention_impl(impl)
     return partial(_pallas_attention, interpret=impl == "pallas-interpret")
 
 

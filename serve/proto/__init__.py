@@ -1,0 +1,1 @@
+"""Protocol buffers of the jaxinfer gRPC service (generated code is checked in)."""
