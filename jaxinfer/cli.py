@@ -215,7 +215,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from serve.config import ServerConfig
     from serve.server import run
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log = logging.getLogger("serve")  # server events on stderr, not via the root logger
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     config = ServerConfig(
         host=args.host, port=args.port, metrics_port=None if args.no_metrics else args.metrics_port,
         max_waiting=args.max_waiting, retry_after_ms=args.retry_after_ms,

@@ -12,6 +12,10 @@ Both sample on device and return the sampled tokens and their log-probs in one
 small pytree, fetched to the host in a single transfer. The KV pool and the
 penalty state are donated, so they are updated in place.
 
+Dispatch is asynchronous: `prefill` and `decode` return a `PendingStep` at
+once, so the engine prepares and dispatches a step's next call while the
+device runs the previous one, and reads the results afterwards.
+
 KV layout: one pool per layer of `num_blocks` blocks of `block_size` tokens,
 sized from a memory budget. The caller (the host loop and its block
 allocator) owns the block tables; the runner turns them into the slot mapping
@@ -146,6 +150,29 @@ class StepOutput(struct.PyTreeNode):
     prompt_logprobs: jax.Array  # [B, T] f32 log p(token t+1 | ..t); [B, 0] when not asked
 
 
+class PendingStep:
+    """A dispatched step: the device computes while the host prepares the next call.
+
+    Its small output (sampled tokens, log-probs) starts copying to the host at
+    once; `result()` waits for it: the step's single device -> host transfer.
+    """
+
+    def __init__(self, output: StepOutput) -> None:
+        self._output = output
+        for leaf in jax.tree.leaves(output):
+            leaf.copy_to_host_async()
+
+    def result(self) -> dict[str, np.ndarray]:
+        host = jax.device_get(self._output)
+        return {
+            "tokens": host.sample.tokens,
+            "logprobs": host.sample.logprobs,
+            "top_ids": host.sample.top_ids,
+            "top_logprobs": host.sample.top_logprobs,
+            "prompt_logprobs": host.prompt_logprobs,
+        }
+
+
 @dataclass
 class Row:
     """One sequence's part of a step, as the host describes it."""
@@ -199,7 +226,7 @@ class ModelRunner:
         """Distinct compiled variants of the step function so far."""
         return self._step._cache_size()
 
-    def prefill(self, rows: Sequence[Row]) -> dict[str, np.ndarray]:
+    def prefill(self, rows: Sequence[Row]) -> PendingStep:
         """Run prompt chunks, one sequence per row; sample where a row `emit`s.
 
         A row may start after a prefix whose K/V are already in its blocks (an
@@ -209,7 +236,7 @@ class ModelRunner:
         """
         length = max(len(r.token_ids) for r in rows)
         bucket = min(next_power_of_two(length, MIN_PREFILL_BUCKET), self._max_tokens_bucket())
-        return self._run(rows, bucket, is_prefill=True)
+        return self._dispatch(rows, bucket, is_prefill=True)
 
     def record_history(self, slot: int, token_ids: Sequence[int], prompt_len: int) -> None:
         """Start `slot`'s penalty statistics from tokens whose K/V are already cached
@@ -220,9 +247,9 @@ class ModelRunner:
         is_output = np.arange(size) >= prompt_len
         self.penalties = self._record(self.penalties, np.int32(slot), tokens, is_output)
 
-    def decode(self, rows: Sequence[Row]) -> dict[str, np.ndarray]:
+    def decode(self, rows: Sequence[Row]) -> PendingStep:
         """One new token for each row (its token_ids is the last sampled token)."""
-        return self._run(rows, 1, is_prefill=False)
+        return self._dispatch(rows, 1, is_prefill=False)
 
     def _max_tokens_bucket(self) -> int:
         return self.cache.max_blocks_per_seq * self.cache.block_size
@@ -263,7 +290,7 @@ class ModelRunner:
             num_top_logprobs=0, prompt_logprobs=False, is_prefill=is_prefill,
         )
 
-    def _run(self, rows: Sequence[Row], length: int, *, is_prefill: bool) -> dict[str, np.ndarray]:
+    def _dispatch(self, rows: Sequence[Row], length: int, *, is_prefill: bool) -> PendingStep:
         batch = self._batch(rows, next_power_of_two(len(rows), 1), length, is_prefill)
         params = [r.params for r in rows]
         sampling = make_sampling_arrays(params, [r.seed for r in rows], [r.step for r in rows],
@@ -275,14 +302,7 @@ class ModelRunner:
             num_top_logprobs=_bucket_logprobs(num_top), prompt_logprobs=want_prompt,
             is_prefill=is_prefill,
         )
-        host = jax.device_get(output)  # the step's single device -> host transfer
-        return {
-            "tokens": host.sample.tokens,
-            "logprobs": host.sample.logprobs,
-            "top_ids": host.sample.top_ids,
-            "top_logprobs": host.sample.top_logprobs,
-            "prompt_logprobs": host.prompt_logprobs,
-        }
+        return PendingStep(output)
 
     def _batch(
         self, rows: Sequence[Row], b: int, t: int, is_prefill: bool, width: int | None = None

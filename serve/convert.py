@@ -25,7 +25,6 @@ FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
-FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
 MAX_REQUEST_ID = 256  # characters
 
 
@@ -63,19 +62,21 @@ def prompt_input(request: pb.GenerateRequest, tokenizer: Tokenizer | None) -> tu
     text = chat_text(request.messages, tokenizer) if request.messages else request.prompt
     if not text:
         raise RequestError("prompt is empty: give at least one character of text")
-    return text, require_tokenizer(tokenizer, "prompt").encode(text)
+    return text, require_tokenizer(tokenizer, "a text prompt (send token_ids)").encode(text)
 
 
 def chat_text(messages: Sequence[pb.ChatMessage], tokenizer: Tokenizer | None) -> str:
     """The prompt text of a conversation under the model's chat template."""
     conversation = [{"role": m.role, "content": m.content} for m in messages]
-    return require_tokenizer(tokenizer, "messages").apply_chat_template(conversation)
+    tokenizer = require_tokenizer(tokenizer, "chat messages (send token_ids)")
+    return tokenizer.apply_chat_template(conversation)
 
 
-def require_tokenizer(tokenizer: Tokenizer | None, field: str) -> Tokenizer:
+def require_tokenizer(tokenizer: Tokenizer | None, what: str) -> Tokenizer:
+    """`tokenizer`, or NoTokenizerError saying that the model cannot take `what`."""
     if tokenizer is None:
-        raise NoTokenizerError(f"this model was loaded without a tokenizer, so {field} cannot "
-                               "be text: send token_ids")
+        raise NoTokenizerError(f"this model was loaded without a tokenizer, so it cannot take "
+                               f"{what}")
     return tokenizer
 
 

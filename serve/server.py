@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
 SERVICE_NAME = SERVICE.full_name  # "jaxinfer.v1.Inference"
 ABORT_WAIT = 5.0  # seconds aborted streams get to send their last message
+ENGINE_POLL = 0.5  # seconds between checks that the engine loop is alive
 T = TypeVar("T")
 
 
@@ -60,7 +61,7 @@ class InferenceServer:
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._endpoint: MetricsEndpoint | None = None
-        self._stopped = asyncio.Event()
+        self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
         server = grpc.aio.server()
@@ -79,15 +80,23 @@ class InferenceServer:
             self.metrics_port = self._endpoint.port
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._watch = asyncio.create_task(self._watch_engine())
 
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
+    async def _watch_engine(self) -> None:
+        """Health turns NOT_SERVING if the engine loop dies (every Generate would fail)."""
+        while self.front.error is None:
+            await asyncio.sleep(ENGINE_POLL)
+        logger.error("the engine loop failed: %r; health is NOT_SERVING", self.front.error)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Drain and stop (the module docstring's sequence); safe to call twice."""
         if self._server is None:
             return
         server, self._server = self._server, None
+        if self._watch is not None:
+            self._watch.cancel()
         grace = self.config.shutdown_grace if grace is None else grace
         await self.health.enter_graceful_shutdown()
         self.servicer.draining = True
@@ -101,7 +110,6 @@ class InferenceServer:
         self.front.shutdown()
         if self._endpoint is not None:
             self._endpoint.close()
-        self._stopped.set()
 
 
 def _add_inference(server: grpc.aio.Server, servicer: InferenceServicer) -> None:

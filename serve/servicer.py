@@ -68,7 +68,7 @@ class InferenceServicer:
         try:
             async for message in self._generate(_checked(request), context):
                 yield message
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: closed at a yield
             code = _cancel_code(context)
             raise
         except Exception as exc:
@@ -144,7 +144,7 @@ class InferenceServicer:
             )
 
     def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        tokenizer = convert.require_tokenizer(self.engine.tokenizer, "text")
+        tokenizer = convert.require_tokenizer(self.engine.tokenizer, "Tokenize requests")
         if request.HasField("text") == bool(request.messages):
             raise RequestError("give exactly one of text or messages")
         text = convert.chat_text(request.messages, tokenizer) if request.messages else (
@@ -153,7 +153,7 @@ class InferenceServicer:
         return pb.TokenizeResponse(token_ids=tokenizer.encode(text, add_bos=add_bos))
 
     def _detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
-        tokenizer = convert.require_tokenizer(self.engine.tokenizer, "text")
+        tokenizer = convert.require_tokenizer(self.engine.tokenizer, "Detokenize requests")
         ids = convert.token_ids(request.token_ids, self.engine.model.config.vocab_size)
         return pb.DetokenizeResponse(text=tokenizer.decode(ids, request.skip_special_tokens))
 

@@ -39,7 +39,17 @@ def tiny() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def server(tiny: LoadedModel) -> Iterator[ServerThread]:
+def offline(tiny: LoadedModel) -> LLM:
+    """The offline API on the same settings; compiled steps are shared per process."""
+    llm = LLM(loaded=tiny, engine_config=ENGINE)
+    for rows in (1, 2, 4, 8):  # compile every step shape these tests reach, up front:
+        llm.generate(prompt_token_ids=PROMPTS[:rows], use_tqdm=False,  # prefill and decode
+                     sampling_params=SamplingParams(max_tokens=2))  # of 1, 2, 4, 8 rows
+    return llm
+
+
+@pytest.fixture(scope="module")
+def server(tiny: LoadedModel, offline: LLM) -> Iterator[ServerThread]:
     config = ServerConfig(port=0, metrics_port=0, max_waiting=64)
     with ServerThread(LLMEngine(tiny, ENGINE), config) as running:
         yield running
@@ -59,9 +69,9 @@ def scrape(server: ServerThread) -> dict[str, float]:
             for line in text.splitlines() if line and not line.startswith("#")}
 
 
-def test_concurrent_greedy_streams_equal_offline_generate(tiny, server, client) -> None:
-    offline = LLM(loaded=tiny, engine_config=ENGINE).generate(
-        prompt_token_ids=PROMPTS, sampling_params=SamplingParams(**GREEDY), use_tqdm=False)
+def test_concurrent_greedy_streams_equal_offline_generate(offline, server, client) -> None:
+    expected = offline.generate(prompt_token_ids=PROMPTS, use_tqdm=False,
+                                sampling_params=SamplingParams(**GREEDY))
 
     def one(ids: list[int]):
         return client.complete(token_ids=ids, **GREEDY)
@@ -72,18 +82,18 @@ def test_concurrent_greedy_streams_equal_offline_generate(tiny, server, client) 
     for i, result in enumerate(results):
         usage = result.samples[0].usage
         print(f"{i:>6} {len(PROMPTS[i]):>6} {result.ttft:>11.3f}s {usage.ttft_seconds:>11.3f}s")
-    for result, expected in zip(results, offline, strict=True):
+    for result, want in zip(results, expected, strict=True):
         (sample,) = result.samples
-        assert sample.token_ids == expected.token_ids
+        assert sample.token_ids == want.token_ids
         assert sample.finish_reason == "length"
         assert sample.usage.completion_tokens == GREEDY["max_tokens"]
-        assert sample.usage.prompt_tokens == len(expected.prompt_token_ids)
+        assert sample.usage.prompt_tokens == len(want.prompt_token_ids)
     assert server.server.front.num_open_streams == 0
 
 
-def test_n_samples_share_one_stream(tiny, server, client) -> None:
+def test_n_samples_share_one_stream(offline, server, client) -> None:
     sampled = {"max_tokens": 8, "temperature": 1.0, "seed": 3, "n": 3, "ignore_eos": True}
-    expected = LLM(loaded=tiny, engine_config=ENGINE).generate(
+    expected = offline.generate(
         prompt_token_ids=[PROMPTS[5]], sampling_params=SamplingParams(**sampled),
         use_tqdm=False)[0]
     messages = list(client.generate(token_ids=PROMPTS[5], **sampled))
@@ -93,14 +103,18 @@ def test_n_samples_share_one_stream(tiny, server, client) -> None:
     assert [s.token_ids for s in result.samples] == [o.token_ids for o in expected.outputs]
 
 
-def _wait_until_idle(server: ServerThread, before: dict[str, float], limit: float) -> float:
-    """Seconds until the scraped metrics show no used blocks and one more abort."""
+def _wait_until_idle(server: ServerThread, before: dict[str, float], limit: float,
+                     code: str) -> float:
+    """Seconds until the scraped metrics show no used blocks, one more abort, and
+    one more Generate that ended with `code`."""
     start = time.perf_counter()
     abort = 'jaxinfer_requests_finished_total{finish_reason="abort"}'
+    status = f'jaxinfer_grpc_requests_total{{code="{code}",method="Generate"}}'
     while time.perf_counter() - start < limit:
         now = scrape(server)
         if (now["jaxinfer_kv_blocks_used"] == 0 and now["jaxinfer_grpc_open_streams"] == 0
-                and now.get(abort, 0) == before.get(abort, 0) + 1):
+                and now.get(abort, 0) == before.get(abort, 0) + 1
+                and now.get(status, 0) == before.get(status, 0) + 1):
             return time.perf_counter() - start
         time.sleep(0.02)
     raise AssertionError(f"not idle after {limit}s: {scrape(server)}")
@@ -114,19 +128,20 @@ def test_cancel_frees_blocks_and_metrics_show_it_within_a_second(server, client)
         next(call)
     assert scrape(server)["jaxinfer_kv_blocks_used"] > 0
     call.cancel()
-    print(f"\ncancel -> blocks free in {_wait_until_idle(server, before, 1.0):.3f}s")
-    assert scrape(server)['jaxinfer_grpc_requests_total{code="CANCELLED",method="Generate"}'] >= 1
+    seconds = _wait_until_idle(server, before, 1.0, "CANCELLED")
+    print(f"\ncancel -> blocks free, shown by /metrics, in {seconds:.3f}s")
 
 
-def test_deadline_aborts_the_request(server, client) -> None:
+def test_deadline_mid_stream_aborts_the_request(server, client) -> None:
+    long = {"token_ids": PROMPTS[1], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
+    client.complete(**long)
+    full = time.perf_counter() - start  # the deadline below passes well before the end
     before = scrape(server)
-    call = client.generate(token_ids=PROMPTS[1], max_tokens=120, temperature=0,
-                           ignore_eos=True, timeout=0.3)
     with pytest.raises(grpc.RpcError) as info:
-        for _ in call:
-            time.sleep(0.01)  # a slow reader: the deadline passes mid-stream
+        list(client.generate(**long, timeout=full / 3))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_until_idle(server, before, 2.0)
+    _wait_until_idle(server, before, 2.0, "DEADLINE_EXCEEDED")
 
 
 def _raw_generate(server: ServerThread, data: bytes) -> list[pb.GenerateResponse]:
@@ -248,3 +263,22 @@ def test_burst_past_the_queue_bound_gets_answers_or_resource_exhausted(tiny) -> 
     assert done + rejected == 500 and done >= 8 and rejected > 0
     assert snapshot["kv_blocks_used"] == 0 and snapshot["waiting"] == 0
     assert elapsed < 90
+
+
+def test_engine_failure_turns_health_not_serving(tiny, monkeypatch) -> None:
+    engine = LLMEngine(tiny, ENGINE)
+
+    def broken_step() -> list:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    with ServerThread(engine, ServerConfig(port=0, metrics_port=None)) as running, \
+            InferenceClient(running.address, timeout=30) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.generate(token_ids=[1, 2], max_tokens=2))
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert "device lost" in info.value.details()
+        deadline = time.monotonic() + 5
+        while client.health() == "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.health() == "NOT_SERVING"

@@ -33,6 +33,7 @@ from jaxinfer.runner import (
     MIN_PREFILL_BUCKET,
     CacheConfig,
     ModelRunner,
+    PendingStep,
     Row,
     next_power_of_two,
 )
@@ -148,10 +149,15 @@ class LLMEngine:
             plan = self.scheduler.schedule()
         start = time.perf_counter()
         self._mark_scheduled(plan.prefills, start)
-        for group in _group_by_bucket(plan.prefills):
-            deltas += self._run_prefills(group)
-        if plan.decodes:
-            deltas += self._run_decodes(plan.decodes)
+        # dispatch every device call of the step first, then read results in order
+        pending = [(group, self._dispatch_prefills(group))
+                   for group in _group_by_bucket(plan.prefills)]
+        decoding = self.runner.decode([self._decode_row(s) for s in plan.decodes]) if (
+            plan.decodes) else None
+        for group, step in pending:
+            deltas += self._accept_prefills(group, step.result())
+        if decoding is not None:
+            deltas += self._accept_decodes(plan.decodes, decoding.result())
         self.stats.record_step(
             num_tokens=plan.num_tokens, num_preempted=len(plan.preempted),
             seconds=time.perf_counter() - start,
@@ -272,14 +278,17 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
                 metrics.cached_tokens = chunk.seq.num_cached
 
-    def _run_prefills(self, chunks: list[PrefillChunk]) -> list[StreamDelta]:
+    def _dispatch_prefills(self, chunks: list[PrefillChunk]) -> PendingStep:
         for chunk in chunks:
             if chunk.first and chunk.start:
                 seq = chunk.seq  # a prefix-cache hit: penalties start from the cached tokens
                 self.runner.record_history(seq.slot, seq.tokens(0, chunk.start),
                                            len(seq.prompt_ids))
-        rows = [self._prefill_row(chunk) for chunk in chunks]
-        result = self.runner.prefill(rows)
+        return self.runner.prefill([self._prefill_row(chunk) for chunk in chunks])
+
+    def _accept_prefills(
+        self, chunks: list[PrefillChunk], result: dict[str, np.ndarray]
+    ) -> list[StreamDelta]:
         deltas = []
         for i, chunk in enumerate(chunks):
             sample = self._samples[chunk.seq.seq_id]
@@ -289,9 +298,9 @@ class LLMEngine:
                 deltas += self._accept(sample, result, i)
         return deltas
 
-    def _run_decodes(self, seqs: list[SchedSeq]) -> list[StreamDelta]:
-        rows = [self._decode_row(seq) for seq in seqs]
-        result = self.runner.decode(rows)
+    def _accept_decodes(
+        self, seqs: list[SchedSeq], result: dict[str, np.ndarray]
+    ) -> list[StreamDelta]:
         deltas = []
         for i, seq in enumerate(seqs):
             self.scheduler.on_computed(seq, 1)
