@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxinfer.engine.async_engine import AsyncLLMEngine
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.metrics import PrometheusMetrics
+from jaxinfer.errors import ConfigError
 from serve.config import ServerConfig
 from serve.metrics import MetricsEndpoint, ServerMetrics
 from serve.model_info import model_info
@@ -64,20 +65,25 @@ class InferenceServer:
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
+        """Listen (metrics first, then gRPC) and report SERVING; a port that cannot
+        be bound is a ConfigError naming it."""
+        if self.config.metrics_port is not None:
+            self._endpoint = _metrics_endpoint(self.prometheus, self.config)
+            self.metrics_port = self._endpoint.port
         server = grpc.aio.server()
         _add_inference(server, self.servicer)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(self.config.address)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.address}")
+        try:
+            self.port = _bind(server, self.config.address)
+        except ConfigError:
+            self.front.shutdown()
+            if self._endpoint is not None:
+                self._endpoint.close()
+            raise
         await server.start()
         self._server = server
-        if self.config.metrics_port is not None:
-            self._endpoint = MetricsEndpoint(self.prometheus.registry, self.config.host,
-                                             self.config.metrics_port)
-            self.metrics_port = self._endpoint.port
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._watch = asyncio.create_task(self._watch_engine())
@@ -110,6 +116,24 @@ class InferenceServer:
         self.front.shutdown()
         if self._endpoint is not None:
             self._endpoint.close()
+
+
+def _bind(server: grpc.aio.Server, address: str) -> int:
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on {address} (--host/--port): {exc}") from exc
+    if port == 0:
+        raise ConfigError(f"cannot listen on {address} (--host/--port)")
+    return port
+
+
+def _metrics_endpoint(prometheus: PrometheusMetrics, config: ServerConfig) -> MetricsEndpoint:
+    try:
+        return MetricsEndpoint(prometheus.registry, config.host, config.metrics_port or 0)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on {config.host}:{config.metrics_port} "
+                          f"(--metrics-port): {exc}") from exc
 
 
 def _add_inference(server: grpc.aio.Server, servicer: InferenceServicer) -> None:

@@ -65,16 +65,17 @@ class AsyncLLMEngine:
             request_id = output.request_id
             self._streams[request_id] = stream
         self._wake.set()
-        finished = False
+        samples = params.n if params is not None else 1
+        done = 0
         try:
-            while not finished:
+            while done < samples:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine loop failed: {item!r}") from item
-                finished = item.request.finished
+                done += item.finish_reason is not None  # this delta's own, not the shared one
                 yield item
         finally:
-            self._close(request_id, finished)
+            self._close(request_id, done >= samples)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
