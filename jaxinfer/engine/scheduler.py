@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from jaxinfer.engine.block_manager import BlockManager
+from .block_manager import BlockManager
 
 
 class Status(Enum):
