@@ -1,6 +1,9 @@
 """Pallas kernels, one per file, each beside its plain-jnp reference.
 
-The attention kernels (tiled prefill attention, paged decode attention) land
-with the paged KV cache; until then every step uses the XLA reference in
-`jaxinfer.ops.attention`.
+- `reference.py`: paged attention in plain jnp (also jaxinfer's XLA/CPU path).
+- `flash_prefill.py`: tiled (flash) attention for prompt chunks over the paged pool.
+- `paged_decode.py`: paged decode attention with split-K.
+
+Both kernels share the reference's signature; `jaxinfer.ops.attention` picks one
+by `attention_impl`.
 """
