@@ -105,10 +105,6 @@ class ModelConfig:
             raise ConfigError(f"activation must be 'gelu_tanh' or 'silu', got {self.activation!r}")
 
     @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def attn_scale(self) -> float:
         scalar = self.query_pre_attn_scalar or self.head_dim
         return 1.0 / math.sqrt(scalar)

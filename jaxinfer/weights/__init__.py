@@ -40,6 +40,7 @@ class LoadedModel:
     source: str  # what was loaded, for humans: a path or a preset name
     kind: str  # "gguf" | "hf" | "checkpoint" | "dummy"
     load_seconds: float
+    quantization: str = "none"  # how the source stored the weights, e.g. "Q4_K_M"
 
 
 @dataclass(frozen=True)
@@ -88,14 +89,17 @@ def load_model(
     start = time.perf_counter()
     if load_format == "dummy":
         config, params, tokenizer, kind = _load_dummy(source, np_dtype)
+        quantization = "none"
     else:
-        config, params, tokenizer, kind = _load_real(source, np_dtype)
-    return LoadedModel(config, params, tokenizer, str(source), kind, time.perf_counter() - start)
+        config, params, tokenizer, kind, quantization = _load_real(source, np_dtype)
+    seconds = time.perf_counter() - start
+    return LoadedModel(config, params, tokenizer, str(source), kind, seconds, quantization)
 
 
 def _load_real(
     source: str | Path, dtype: Any
-) -> tuple[ModelConfig, Params, Tokenizer | None, str]:
+) -> tuple[ModelConfig, Params, Tokenizer | None, str, str]:
+    """(config, params, tokenizer, kind, quantization) from a file, folder or preset."""
     path = Path(source)
     preset_name = None
     if not path.exists():
@@ -107,25 +111,30 @@ def _load_real(
             )
         path, preset_name = resolve_source(preset.source), preset.name
     if path.is_file():
-        return (*_load_gguf(path, dtype, preset_name), "gguf")
+        config, params, tokenizer, quantization = _load_gguf(path, dtype, preset_name)
+        return config, params, tokenizer, "gguf", quantization
     if orbax_ckpt.is_checkpoint(path):
         config, params = orbax_ckpt.load_checkpoint(path, dtype)
         tokenizer = Tokenizer.load(path) if (path / TOKENIZER_META).is_file() else None
-        return config, params, tokenizer, "checkpoint"
+        return config, params, tokenizer, "checkpoint", "none"
     if (path / "config.json").is_file():
         config, params = hf.load_hf_folder(path, dtype)
         has_tokenizer = any((path / name).is_file() for name in HF_TOKENIZER_FILES)
-        return config, params, Tokenizer.from_hf_dir(path) if has_tokenizer else None, "hf"
+        tokenizer = Tokenizer.from_hf_dir(path) if has_tokenizer else None
+        return config, params, tokenizer, "hf", "none"
     raise ModelLoadError(
         f"{path} is neither a GGUF file, an HF folder (config.json) nor a jaxinfer checkpoint"
     )
 
 
-def _load_gguf(path: Path, dtype: Any, name: str | None) -> tuple[ModelConfig, Params, Tokenizer]:
+def _load_gguf(
+    path: Path, dtype: Any, name: str | None
+) -> tuple[ModelConfig, Params, Tokenizer, str]:
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.config_from_gguf(reader, name=name)
     tokenizer = Tokenizer.from_gguf(reader)
-    return config, gguf_loader.load_gguf_params(reader, config, dtype), tokenizer
+    params = gguf_loader.load_gguf_params(reader, config, dtype)
+    return config, params, tokenizer, gguf_loader.file_type_name(reader)
 
 
 def _load_dummy(

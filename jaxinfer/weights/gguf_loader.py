@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from jaxinfer.errors import ModelLoadError
@@ -104,6 +105,15 @@ def config_from_gguf(reader: GGUFFile, name: str | None = None) -> ModelConfig:
         architecture="llama", activation="silu", qkv_bias=qkv_bias,
         rope_scaling=_rope_scaling(meta), **common,
     )
+
+
+def file_type_name(reader: GGUFFile) -> str:
+    """The GGUF's storage type, e.g. "Q4_K_M"; "unknown" when the metadata lacks it."""
+    file_type = reader.get("general.file_type")
+    try:
+        return gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        return "unknown"
 
 
 def _gemma3_config(common: dict[str, Any], meta: Any) -> ModelConfig:
