@@ -1,4 +1,4 @@
-"""The `jaxinfer` command: generate | convert | serve | client.
+"""The `jaxinfer` command: generate | convert | serve | client | perplexity | bench.
 
 Errors a user can fix (a missing file, a bad setting, a prompt too long) are
 printed as one line naming the problem, with exit status 2, not a traceback.
@@ -12,10 +12,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import ConfigError, JaxinferError
 
 EXIT_USAGE = 2
+# jaxinfer.weights.quantize.QUANTIZATIONS, kept here so --help imports no JAX
+QUANTIZATION_CHOICES = ("none", "int8", "w8a8", "int4", "int4-awq")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(commands.add_parser("convert", help="convert weights to a jaxinfer checkpoint"))
     _add_serve(commands.add_parser("serve", help="serve a model over gRPC"))
     _add_client(commands.add_parser("client", help="stream a completion from jaxinfer serve"))
+    _add_perplexity(commands.add_parser("perplexity", help="perplexity on fixed English texts"))
+    _add_bench(commands.add_parser("bench", help="latency, offline and serving benchmarks"))
     return parser
 
 
@@ -45,6 +50,26 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="preset name, GGUF file, HF folder or jaxinfer checkpoint")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    _add_quantization_flag(parser)
+
+
+def load_from_args(args: argparse.Namespace, source: str | None = None,
+                   quantization: str | None = None) -> Any:
+    """load_model with the model flags (`source`/`quantization` override them)."""
+    from jaxinfer.weights import load_model
+
+    return load_model(source or args.model, dtype=args.dtype,
+                      load_format=getattr(args, "load_format", "auto"),
+                      quantization=quantization or args.quantization,
+                      quant_group_size=args.quant_group_size)
+
+
+def _add_quantization_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                        help="weight format, converted at load (default: none = float); "
+                        "w8a8 also quantizes activations in batched steps")
+    parser.add_argument("--quant-group-size", type=int, default=128,
+                        help="int4 group size along the input dimension (default 128)")
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +87,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-impl", default=None,
                        choices=["xla", "pallas", "pallas-interpret"],
                        help="xla (reference, CPU default) or the Pallas kernels")
+    group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8"],
+                       help="auto: the model dtype; int8: int8 K/V with one f32 scale per "
+                       "token and head (about 4x the tokens of a float32 cache)")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", default=None)
     group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
@@ -76,7 +104,7 @@ def engine_config_from_args(args: argparse.Namespace, **defaults: object):
     if not args.engine_preset:
         base = base.replace(**defaults)
     names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-             "kv_cache_memory", "attention_impl", "enable_prefix_caching",
+             "kv_cache_memory", "kv_cache_dtype", "attention_impl", "enable_prefix_caching",
              "enable_chunked_prefill")
     return base.replace(**{name: getattr(args, name) for name in names})
 
@@ -105,6 +133,7 @@ def _add_convert(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", nargs="?", default=None,
                         help="output folder (default: checkpoints/<name>)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_quantization_flag(parser)
     parser.set_defaults(handler=run_convert)
 
 
@@ -117,7 +146,7 @@ def run_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
     )
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format,
+    llm = LLM(loaded=load_from_args(args),
               engine_config=engine_config_from_args(args, max_num_seqs=1))
     if not args.quiet:
         _print_cache(llm.kv_cache_info())
@@ -142,10 +171,11 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_cache(info: dict[str, int]) -> None:
+def _print_cache(info: dict[str, int | str]) -> None:
     print(f"[KV cache: {info['num_blocks']:,} blocks x {info['block_size']} tokens = "
-          f"{info['max_cached_tokens']:,} tokens, {info['bytes_per_token']:,} bytes/token, "
-          f"{info['bytes'] / 2**20:,.0f} MiB]", file=sys.stderr)
+          f"{info['max_cached_tokens']:,} tokens, {info['dtype']}, "
+          f"{info['bytes_per_token']:,} bytes/token, {info['bytes'] / 2**20:,.0f} MiB]",
+          file=sys.stderr)
 
 
 def _as_json(output: object) -> dict[str, object]:
@@ -174,13 +204,12 @@ def _print_timing(load_seconds: float, start: float, stamps: list[float]) -> Non
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from jaxinfer.weights import load_model
     from jaxinfer.weights.orbax_ckpt import save_checkpoint
 
-    loaded = load_model(args.src, dtype=args.dtype)
+    loaded = load_from_args(args, source=args.src)
     out = Path(args.out) if args.out else Path("checkpoints") / _folder_name(loaded.config.name)
     start = time.perf_counter()
-    save_checkpoint(out, loaded.config, loaded.params)
+    save_checkpoint(out, loaded.config, loaded.params, loaded.quantization)
     if loaded.tokenizer is not None:
         loaded.tokenizer.save(out)
     print(f"loaded {loaded.source} ({loaded.kind}) in {loaded.load_seconds:.1f}s; "
@@ -211,7 +240,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import logging
 
     from jaxinfer.engine.llm_engine import LLMEngine
-    from jaxinfer.weights import load_model
     from serve.config import ServerConfig
     from serve.server import run
 
@@ -226,7 +254,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting, retry_after_ms=args.retry_after_ms,
         shutdown_grace=args.shutdown_grace,
     )
-    loaded = load_model(args.model, dtype=args.dtype, load_format=args.load_format)
+    loaded = load_from_args(args)
     engine = LLMEngine(loaded, engine_config_from_args(args))
     if args.warmup:
         print(f"[warmup: {engine.warmup()} compiled step shapes]", file=sys.stderr)
@@ -258,6 +286,59 @@ def run_client(args: argparse.Namespace) -> int:
     from serve.client import run_client as run
 
     return run(args)
+
+
+def _add_perplexity(parser: argparse.ArgumentParser) -> None:
+    _add_model_flags(parser)
+    parser.add_argument("--texts", nargs="+", default=None, metavar="PACKAGE",
+                        help="installed packages whose README to score (default: jax "
+                        "sentencepiece tokenizers rich msgpack)")
+    parser.add_argument("--num-tokens", type=int, default=1024, help="tokens taken from each text")
+    parser.add_argument("--max-len", type=int, default=1024, help="window length in tokens")
+    parser.add_argument("--stride", type=int, default=None,
+                        help="tokens scored per window after the first (default: max-len / 2)")
+    parser.add_argument("--all-settings", action="store_true",
+                        help="baseline, int8 KV cache, int8, int4 and int4-awq weights in turn")
+    parser.add_argument("--compare", choices=["llama-cpp"], default=None,
+                        help="also score the same token ids with llama.cpp (GGUF models)")
+    _add_engine_flags(parser)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
+    parser.set_defaults(handler=run_perplexity)
+
+
+def run_perplexity(args: argparse.Namespace) -> int:
+    from jaxinfer import evaluate
+
+    engine = engine_config_from_args(args, max_model_len=args.max_len + 1, max_num_seqs=4)
+    if args.all_settings and (args.quantization != "none" or args.kv_cache_dtype is not None):
+        raise ConfigError("--all-settings runs every weight and KV cache type; "
+                          "drop --quantization and --kv-cache-dtype")
+    settings = (list(evaluate.ALL_SETTINGS) if args.all_settings
+                else [evaluate.setting_for(args.quantization, engine.kv_cache_dtype)])
+
+    def load(quantization: str) -> object:
+        return load_from_args(args, quantization=quantization)
+
+    rows, task = evaluate.score_settings(
+        settings, load, engine, texts=args.texts or evaluate.DEFAULT_TEXTS,
+        num_tokens=args.num_tokens, max_len=args.max_len, stride=args.stride)
+    status = 0
+    if args.compare == "llama-cpp":
+        try:
+            rows.append(evaluate.score_llama_cpp(task, args.model))
+        except JaxinferError as exc:  # keep the jaxinfer rows already scored
+            print(f"jaxinfer: error: {exc}", file=sys.stderr)
+            status = 1
+    print(evaluate.format_table(rows, task))
+    if args.json:
+        evaluate.write_json(args.json, evaluate.report_json(rows, task))
+    return status
+
+
+def _add_bench(parser: argparse.ArgumentParser) -> None:
+    from jaxinfer.bench.cli import add_bench_commands
+
+    add_bench_commands(parser, _add_model_flags, _add_engine_flags)
 
 
 def _folder_name(name: str) -> str:

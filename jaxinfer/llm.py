@@ -36,14 +36,21 @@ class LLM:
         *,
         dtype: str = "float32",
         load_format: str = "auto",
+        quantization: str = "none",
+        quant_group_size: int = 128,
         engine_config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
         **engine_settings: object,
     ) -> None:
-        """`engine_settings` are EngineConfig fields (max_model_len, max_num_seqs,
-        max_num_batched_tokens, block_size, kv_cache_memory, enable_prefix_caching,
-        enable_chunked_prefill, attention_impl), applied over `engine_config`."""
-        self.model = loaded or load_model(model, dtype=dtype, load_format=load_format)
+        """`quantization`: none | int8 | w8a8 | int4 | int4-awq (weights, converted at
+        load; int4 in groups of `quant_group_size` inputs).
+        `engine_settings` are EngineConfig fields (max_model_len, max_num_seqs,
+        max_num_batched_tokens, block_size, kv_cache_memory, kv_cache_dtype,
+        enable_prefix_caching, enable_chunked_prefill, attention_impl), applied over
+        `engine_config`."""
+        self.model = loaded or load_model(model, dtype=dtype, load_format=load_format,
+                                          quantization=quantization,
+                                          quant_group_size=quant_group_size)
         try:
             config = (engine_config or EngineConfig()).replace(**engine_settings)
         except TypeError as exc:
@@ -66,10 +73,11 @@ class LLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def kv_cache_info(self) -> dict[str, int]:
-        """The KV pool's size, as reported at start-up."""
+    def kv_cache_info(self) -> dict[str, int | str]:
+        """The KV pool's size and storage type (e.g. float32, int8), as reported at start-up."""
         runner = self.engine.runner
         return {
+            "dtype": str(runner.kv.k.dtype),
             "num_blocks": runner.num_blocks,
             "block_size": runner.cache.block_size,
             "max_cached_tokens": runner.num_blocks * runner.cache.block_size,

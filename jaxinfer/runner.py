@@ -17,10 +17,12 @@ once, so the engine prepares and dispatches a step's next call while the
 device runs the previous one, and reads the results afterwards.
 
 KV layout: one pool per layer of `num_blocks` blocks of `block_size` tokens,
-sized from a memory budget. The caller (the host loop and its block
-allocator) owns the block tables; the runner turns them into the slot mapping
-(where each new token's K/V is written) and the padded block-table array the
-attention reads through. Slots only index the per-sequence penalty state.
+sized from a memory budget; `kv_cache_dtype="int8"` stores int8 K/V plus one
+f32 scale per token and KV head, so the same budget holds more blocks. The
+caller (the host loop and its block allocator) owns the block tables; the
+runner turns them into the slot mapping (where each new token's K/V is
+written) and the padded block-table array the attention reads through.
+Slots only index the per-sequence penalty state.
 """
 
 from __future__ import annotations
@@ -39,12 +41,19 @@ from flax import struct
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.params import Params
-from jaxinfer.model.transformer import KVCache, forward, init_kv_cache, lm_head
+from jaxinfer.model.params import Params, compute_dtype
+from jaxinfer.model.transformer import (
+    KVCache,
+    forward,
+    init_kv_cache,
+    kv_bytes_per_token,
+    lm_head,
+)
 from jaxinfer.ops.attention import (
     AttentionFn,
     AttentionMetadata,
     check_attention_impl,
+    check_kv_cache_dtype,
     get_attention_fn,
 )
 from jaxinfer.sampling import (
@@ -70,6 +79,7 @@ class CacheConfig:
     max_num_seqs: int = 8
     block_size: int = 16
     attention_impl: str = "xla"
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: int8 values + f32 scales
     kv_cache_memory: int | None = None  # bytes; None: see `kv_cache_budget`
     kv_cache_fraction: float = 0.9  # of free accelerator memory, when it is known
 
@@ -87,6 +97,7 @@ class CacheConfig:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         check_attention_impl(self.attention_impl)
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -205,10 +216,11 @@ class ModelRunner:
         self.config = config
         self.cache = cache
         self.params = jax.tree.map(jnp.asarray, params)
-        self.dtype = self.params["embed"].dtype
-        self.bytes_per_token = config.kv_bytes_per_token(jnp.dtype(self.dtype).itemsize)
+        self.dtype = compute_dtype(self.params)
+        self.bytes_per_token = kv_bytes_per_token(config, self.dtype, cache.kv_cache_dtype)
         self.num_blocks = num_kv_blocks(cache, self.bytes_per_token)
-        self.kv: KVCache = init_kv_cache(config, self.num_blocks * cache.block_size, self.dtype)
+        self.kv: KVCache = init_kv_cache(config, self.num_blocks * cache.block_size, self.dtype,
+                                         cache.kv_cache_dtype)
         slots = cache.max_num_seqs + 1
         self.penalties = PenaltyState(
             prompt_mask=jnp.zeros((slots, config.vocab_size), jnp.bool_),
@@ -219,7 +231,7 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.kv.k.size * self.kv.k.dtype.itemsize
+        return self.kv.nbytes
 
     @property
     def compile_count(self) -> int:
@@ -231,8 +243,8 @@ class ModelRunner:
 
         A row may start after a prefix whose K/V are already in its blocks (an
         earlier chunk, or a prefix-cache hit). Rows share one call, padded to
-        the longest chunk; the context read is always the full `max_model_len`
-        bucket, so prefill shapes depend only on (rows, chunk) buckets.
+        the longest chunk; attention reads a power-of-two bucket of the longest
+        context (like decode), so shapes are (rows, chunk, context) buckets.
         """
         length = max(len(r.token_ids) for r in rows)
         bucket = min(next_power_of_two(length, MIN_PREFILL_BUCKET), self._max_tokens_bucket())
@@ -258,7 +270,8 @@ class ModelRunner:
         """Compile every (rows, length, context) bucket a scheduler within
         `max_batched_tokens` can produce, with plain sampling (no log-probs)."""
         for rows, length in self.prefill_shapes(max_batched_tokens):
-            self._warm(rows, length, self.cache.max_blocks_per_seq, is_prefill=True)
+            for width in self.prefill_widths(length):
+                self._warm(rows, length, width, is_prefill=True)
         for rows in _powers_of_two(next_power_of_two(self.cache.max_num_seqs, 1)):
             for width in self.decode_widths():
                 self._warm(rows, 1, width, is_prefill=False)
@@ -276,6 +289,11 @@ class ModelRunner:
             most = min(self.cache.max_num_seqs, max(1, max_batched_tokens // shortest))
             shapes += [(rows, length) for rows in _powers_of_two(next_power_of_two(most, 1))]
         return shapes
+
+    def prefill_widths(self, length: int) -> list[int]:
+        """Block-table widths of a `length`-token chunk: its context is at least as long."""
+        least = self._context_blocks(length)
+        return [w for w in self.decode_widths() if w >= least]
 
     def decode_widths(self) -> list[int]:
         cap = self.cache.max_blocks_per_seq
@@ -324,9 +342,8 @@ class ModelRunner:
         }
         for i, row in enumerate(rows):
             _fill_row(arrays, i, row, bs)
-        if width is None:
-            width = self.cache.max_blocks_per_seq if is_prefill else self._context_blocks(
-                int(arrays["context"].max()))
+        if width is None:  # attention reads only a bucket of the longest context
+            width = self._context_blocks(int(arrays["context"].max()))
         tables = np.zeros((b, width), np.int32)  # padding entries read block 0, masked
         for i, row in enumerate(rows):
             used = min(len(row.block_table), width)

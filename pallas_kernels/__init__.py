@@ -4,6 +4,6 @@
 - `flash_prefill.py`: tiled (flash) attention for prompt chunks over the paged pool.
 - `paged_decode.py`: paged decode attention with split-K.
 
-Both kernels share the reference's signature; `jaxinfer.ops.attention` picks one
-by `attention_impl`.
+Both kernels share the reference's signature (int8 pools: `k_scale` / `v_scale`
+keywords); `jaxinfer.ops.attention` picks one by `attention_impl`.
 """

@@ -25,6 +25,13 @@ and applies the causal / in-context / window mask and an online softmax
 (running max m, sum l, accumulator in f32; K/V are cast to q's dtype and p
 too for the second matmul, as in FlashAttention-2 and the reference).
 
+int8 pools. With `k_scale` / `v_scale` [L, rows, KV] (see reference.py) the
+loop also loads the block's two [block_size] scale vectors from the whole
+scale pools, and folds them in f32: scores of the int8 K tile (cast to q's
+dtype, exact) are multiplied by k_scale per key, and p by v_scale per key
+before the p . V dot; masked keys get weight 0, so stale rows (even NaN
+scales) never leak. A float pool compiles the kernel without the scale refs.
+
 Masked scores take a finite floor, so rows masked in every block (padding
 slots) give finite values and rows with no block at all give zeros: never NaN.
 Padding query slots (index >= context_len - positions[b, 0]) are masked
@@ -55,7 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import AttentionMetadata, paged_attention_reference
+from pallas_kernels.reference import AttentionMetadata, check_kv_scales, paged_attention_reference
 
 reference = paged_attention_reference
 
@@ -93,6 +100,8 @@ def flash_prefill_attention(
     scale: float,
     window: jax.Array | int,  # keys with q_pos - k_pos >= window are masked
     softcap: float | None = None,
+    k_scale: jax.Array | None = None,  # [L, rows, KV] f32, int8 pools only
+    v_scale: jax.Array | None = None,  # [L, rows, KV] f32
     interpret: bool = False,
     q_tile: int = 16,
     num_warps: int = 4,
@@ -100,14 +109,17 @@ def flash_prefill_attention(
 ) -> jax.Array:
     """Tiled paged attention for prefill chunks -> [B, T, H, hd] in q's dtype."""
     _check_args(q, k_pool, v_pool, block_size, q_tile)
+    scales = (k_scale, v_scale) if check_kv_scales(k_pool, v_pool, k_scale, v_scale) else ()
     kv_heads = k_pool.shape[2]
     tiling = _make_tiling(q.shape[1], q.shape[2] // kv_heads, q_tile)
     q_len = _query_lens(meta)  # [B]
     bounds = _kv_block_bounds(meta, q_len, window, block_size, tiling)  # [B, nt, 2]
     row_pos = _row_positions(meta, q_len, tiling)  # [B, nt * M]
     scalars = jnp.stack([jnp.asarray(layer), jnp.asarray(window)]).astype(jnp.int32)  # [2]
-    kernel = functools.partial(_kernel, block_size=block_size, scale=scale, softcap=softcap)
-    out = _pallas_call(kernel, q, kv_heads, tiling, interpret, num_warps, num_stages)(
+    kernel = functools.partial(_kernel, block_size=block_size, scale=scale, softcap=softcap,
+                               quantized=bool(scales))
+    call = _pallas_call(kernel, q, kv_heads, tiling, len(scales), interpret, num_warps, num_stages)
+    out = call(
         scalars,
         bounds,
         meta.context_lens.astype(jnp.int32),
@@ -116,6 +128,7 @@ def flash_prefill_attention(
         _group_queries(q, kv_heads, tiling),
         k_pool,
         v_pool,
+        *scales,
     )  # [B, KV, nt * M, hd]
     return _ungroup_outputs(out, q.shape, tiling)
 
@@ -198,7 +211,7 @@ def _ungroup_outputs(out: jax.Array, q_shape: tuple[int, ...], tiling: _Tiling) 
     return out.reshape(b, t, h, hd)
 
 
-def _pallas_call(kernel, q, kv_heads, tiling, interpret, num_warps, num_stages):
+def _pallas_call(kernel, q, kv_heads, tiling, num_scale_pools, interpret, num_warps, num_stages):
     """Grid (batch row, kv head, query tile); pools, tables and scalars stay whole."""
     b, _, _, hd = q.shape
     m = tiling.rows
@@ -215,6 +228,7 @@ def _pallas_call(kernel, q, kv_heads, tiling, interpret, num_warps, num_stages):
             pl.BlockSpec((None, None, m, hd), lambda i, h, j: (i, h, j, 0)),  # queries
             whole,  # k_pool [L, rows, KV, hd]
             whole,  # v_pool
+            *[whole] * num_scale_pools,  # int8: k_scale, v_scale [L, rows, KV]
         ],
         out_specs=pl.BlockSpec((None, None, m, hd), lambda i, h, j: (i, h, j, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kv_heads, tiling.num_tiles * m, hd), q.dtype),
@@ -231,15 +245,16 @@ def _kernel(
     block_tables_ref,  # [B, max_blocks] int32
     pos_ref,  # [M] int32: position of each tile row, -1 for padding
     q_ref,  # [M, hd]
-    k_ref,  # [L, rows, KV, hd]
+    k_ref,  # [L, rows, KV, hd], float or int8
     v_ref,  # [L, rows, KV, hd]
-    o_ref,  # [M, hd]
-    *,
+    *refs,  # int8: k_scale_ref, v_scale_ref [L, rows, KV]; then o_ref [M, hd]
     block_size: int,
     scale: float,
     softcap: float | None,
+    quantized: bool,
 ):
     """One (row, kv head, query tile): online softmax over the tile's KV blocks."""
+    *scale_refs, o_ref = refs
     b, kv_head, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = scalars_ref[0], scalars_ref[1]
     context_len = context_lens_ref[b]
@@ -250,10 +265,13 @@ def _kernel(
         rows = pl.ds(block_tables_ref[b, j] * block_size, block_size)
         k = k_ref[layer, rows, kv_head, :].astype(q.dtype)  # [bs, hd]
         v = v_ref[layer, rows, kv_head, :].astype(q.dtype)  # [bs, hd]
-        s = _scores(q, k, scale, softcap)  # [M, bs]
         k_pos = j * block_size + jnp.arange(block_size, dtype=jnp.int32)  # [bs]
+        k_scale, v_scale = (ref[layer, rows, kv_head] for ref in scale_refs) if quantized else (
+            None, None)  # [bs] f32
+        s = _scores(q, k, scale, softcap, k_scale)  # [M, bs]
         mask = _mask(q_pos, k_pos, context_len, window)
-        return _online_softmax_step(carry, jnp.where(mask, s, MASK_VALUE), v)
+        weights = None if v_scale is None else jnp.where(mask, v_scale[None, :], 0.0)
+        return _online_softmax_step(carry, jnp.where(mask, s, MASK_VALUE), v, weights)
 
     m_rows, hd = q.shape
     init = (
@@ -266,9 +284,13 @@ def _kernel(
     o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
 
 
-def _scores(q: jax.Array, k: jax.Array, scale: float, softcap: float | None) -> jax.Array:
-    """[M, hd] x [bs, hd] -> [M, bs] f32 logits, optionally tanh-capped."""
+def _scores(
+    q: jax.Array, k: jax.Array, scale: float, softcap: float | None, k_scale: jax.Array | None
+) -> jax.Array:
+    """[M, hd] x [bs, hd] -> [M, bs] f32 logits (int8 K: times k_scale [bs]), tanh-capped."""
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        s = s * k_scale[None, :]
     s = s * scale
     if softcap is not None:
         s = jnp.tanh(s / softcap) * softcap
@@ -281,13 +303,17 @@ def _mask(q_pos: jax.Array, k_pos: jax.Array, context_len, window) -> jax.Array:
     return (kp <= qp) & (qp - kp < window) & (kp < context_len)
 
 
-def _online_softmax_step(carry, s: jax.Array, v: jax.Array):
-    """Fold one [M, bs] block of masked logits and its [bs, hd] values into (acc, m, l)."""
+def _online_softmax_step(carry, s: jax.Array, v: jax.Array, v_weights: jax.Array | None):
+    """Fold one [M, bs] block of masked logits and its [bs, hd] values into (acc, m, l).
+
+    int8 V: `v_weights` [M, bs] are the keys' v scales, 0 where masked.
+    """
     acc, m_prev, l_prev = carry
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [M]
     alpha = jnp.exp(m_prev - m_next)  # rescales what was summed so far
     p = jnp.exp(s - m_next[:, None])  # [M, bs]
+    pw = p if v_weights is None else p * v_weights  # int8 V: dequantize through p
     pv = lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        pw.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
     )  # [M, hd]
     return acc * alpha[:, None] + pv, m_next, l_prev * alpha + jnp.sum(p, axis=1)

@@ -39,6 +39,13 @@ and the combine returns zeros, never NaN. Masked scores get a finite floor, not
 -inf, and masked V rows are zeroed before the p·V dot, so stale rows (past the
 context in the last block, e.g. left by a freed sequence) never leak, even NaN.
 
+int8 pools. With `k_scale` / `v_scale` [L, rows, KV] (see reference.py) each
+loop step also loads the block's two [block_size] scale vectors (strided
+loads from the whole scale pools) and folds them in f32: q . K_int8 (K cast
+to q's dtype, exact) times k_scale per key, and p times v_scale per key
+before the p . V dot. Masked keys get scale 0, so stale scales never leak. A
+float pool compiles the kernel without the scale refs.
+
 GPU constraints: block_size and head_dim must be powers of two and
 block_size >= 16 (Triton tile sizes and `tl.dot` minimums); interpret mode has
 no such limits.
@@ -60,7 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import AttentionMetadata, paged_attention_reference
+from pallas_kernels.reference import AttentionMetadata, check_kv_scales, paged_attention_reference
 
 reference = paged_attention_reference
 
@@ -81,6 +88,8 @@ def paged_decode_attention(
     scale: float,
     window: jax.Array | int,  # keys with q_pos - k_pos >= window are masked
     softcap: float | None = None,
+    k_scale: jax.Array | None = None,  # [L, rows, KV] f32, int8 pools only
+    v_scale: jax.Array | None = None,  # [L, rows, KV] f32
     interpret: bool = False,
     num_splits: int | None = None,
     blocks_per_split: int = DEFAULT_BLOCKS_PER_SPLIT,
@@ -89,6 +98,7 @@ def paged_decode_attention(
     b, _, h, hd = q.shape
     kv_heads = k_pool.shape[2]
     _check_shapes(q, k_pool, v_pool, meta, block_size)
+    scales = (k_scale, v_scale) if check_kv_scales(k_pool, v_pool, k_scale, v_scale) else ()
     max_blocks = meta.block_tables.shape[1]
     splits = num_splits if num_splits is not None else choose_num_splits(
         max_blocks, blocks_per_split
@@ -97,7 +107,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     qg = _group_queries(q, kv_heads)  # [B, KV, Gp, hd]
     acc, row_max, row_sum = _decode_partials(
-        qg, k_pool, v_pool, layer, meta, window, block_size=block_size, scale=scale,
+        qg, (k_pool, v_pool, *scales), layer, meta, window, block_size=block_size, scale=scale,
         softcap=softcap, num_splits=splits, interpret=interpret,
     )
     out = combine_splits(acc, row_max, row_sum)  # [B, KV, Gp, hd] f32
@@ -151,8 +161,7 @@ def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
 
 def _decode_partials(
     qg: jax.Array,  # [B, KV, Gp, hd]
-    k_pool: jax.Array,  # [L, rows, KV, hd]
-    v_pool: jax.Array,  # [L, rows, KV, hd]
+    pools: tuple[jax.Array, ...],  # k, v [L, rows, KV, hd]; int8: + k, v scales [L, rows, KV]
     layer: jax.Array,
     meta: AttentionMetadata,
     window: jax.Array | int,
@@ -169,7 +178,7 @@ def _decode_partials(
     positions = meta.positions[:, 0].astype(jnp.int32)  # [B]
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, scale=scale, softcap=softcap,
-        num_splits=num_splits, precision=_dot_precision(qg.dtype),
+        num_splits=num_splits, precision=_dot_precision(qg.dtype), quantized=len(pools) == 4,
     )
     whole = pl.BlockSpec()  # the full array: indexed inside the kernel
     tile = pl.BlockSpec((None, None, None, gp, hd), lambda i, j, s: (i, j, s, 0, 0))
@@ -184,14 +193,14 @@ def _decode_partials(
         grid=(b, kv_heads, num_splits),
         in_specs=[whole, whole, whole, whole,
                   pl.BlockSpec((None, None, gp, hd), lambda i, j, s: (i, j, 0, 0)),
-                  whole, whole],
+                  *[whole] * len(pools)],
         out_specs=(tile, stat, stat),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="paged_decode_attention",
     )(scalars, positions, meta.context_lens.astype(jnp.int32),
-      meta.block_tables.astype(jnp.int32), qg, k_pool, v_pool)
+      meta.block_tables.astype(jnp.int32), qg, *pools)
 
 
 def _dot_precision(dtype: jnp.dtype) -> lax.Precision:
@@ -205,19 +214,18 @@ def _decode_kernel(
     ctx_ref,  # [B] int32: context length (0: padding row)
     table_ref,  # [B, max_blocks] int32
     q_ref,  # [Gp, hd]
-    k_ref,  # [L, rows, KV, hd], whole pool
+    k_ref,  # [L, rows, KV, hd], whole pool, float or int8
     v_ref,  # [L, rows, KV, hd], whole pool
-    acc_ref,  # [Gp, hd] f32
-    m_ref,  # [Gp] f32
-    l_ref,  # [Gp] f32
-    *,
+    *refs,  # int8: k_scale_ref, v_scale_ref [L, rows, KV]; then acc [Gp, hd], m, l [Gp] f32
     block_size: int,
     scale: float,
     softcap: float | None,
     num_splits: int,
     precision: lax.Precision,
+    quantized: bool,
 ) -> None:
     """One (row, kv head, split): online softmax over this split's live blocks."""
+    *scale_refs, acc_ref, m_ref, l_ref = refs
     row, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = scalars_ref[0], scalars_ref[1]
     q_pos, ctx = pos_ref[row], ctx_ref[row]
@@ -232,8 +240,12 @@ def _decode_kernel(
         v = v_ref[layer, rows, kv_head, :].astype(q.dtype)  # [bs, hd]
         k_pos = j * block_size + lax.broadcasted_iota(jnp.int32, (block_size,), 0)  # [bs]
         valid = (k_pos < ctx) & (k_pos <= q_pos) & (q_pos - k_pos < window)  # [bs]
-        s = _scores(q, k, valid, scale, softcap, precision)  # [Gp, bs]
-        return _online_softmax_step(carry, s, valid, v, precision)
+        k_scale = v_scale = None
+        if quantized:
+            k_scale, v_scale = (jnp.where(valid, ref[layer, rows, kv_head], 0.0)
+                                for ref in scale_refs)  # [bs] f32
+        s = _scores(q, k, valid, scale, softcap, precision, k_scale)  # [Gp, bs]
+        return _online_softmax_step(carry, s, valid, v, precision, v_scale)
 
     gp, hd = q.shape
     init = (
@@ -269,12 +281,15 @@ def split_block_range(
 
 def _scores(
     q: jax.Array, k: jax.Array, valid: jax.Array, scale: float, softcap: float | None,
-    precision: lax.Precision,
+    precision: lax.Precision, k_scale: jax.Array | None = None,
 ) -> jax.Array:
-    """Masked f32 scores q·kᵀ [Gp, bs], soft-capped when asked."""
+    """Masked f32 scores q·kᵀ [Gp, bs] (int8 K: times k_scale [bs]), soft-capped when asked."""
     s = lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-    ) * scale  # [Gp, bs]
+    )  # [Gp, bs]
+    if k_scale is not None:
+        s = s * k_scale[None, :]
+    s = s * scale
     if softcap is not None:
         s = jnp.tanh(s / softcap) * softcap
     return jnp.where(valid[None, :], s, NEG_INF)
@@ -286,6 +301,7 @@ def _online_softmax_step(
     valid: jax.Array,  # [bs]
     v: jax.Array,  # [bs, hd]
     precision: lax.Precision,
+    v_scale: jax.Array | None = None,  # [bs] f32, int8 V only (0 where masked)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fold one block into (acc [Gp, hd], row max [Gp], row sum [Gp]).
 
@@ -297,8 +313,9 @@ def _online_softmax_step(
     p = jnp.exp(s - new_max[:, None])  # [Gp, bs]
     alpha = jnp.exp(row_max - new_max)  # [Gp]
     v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # stale rows may hold anything
+    pw = p if v_scale is None else p * v_scale[None, :]  # int8 V: dequantize through p
     pv = lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+        pw.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
         preferred_element_type=jnp.float32,
     )  # [Gp, hd]
     return acc * alpha[:, None] + pv, new_max, row_sum * alpha + p.sum(axis=1)

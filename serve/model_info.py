@@ -11,7 +11,7 @@ def model_info(engine: LLMEngine) -> pb.ModelInfoResponse:
     return pb.ModelInfoResponse(
         name=config.name, architecture=config.architecture,
         context_length=engine.max_model_len, max_position=config.max_position,
-        vocab_size=config.vocab_size, quantization=engine.model.quantization,
+        vocab_size=config.vocab_size, quantization=engine.model.describe_quantization(),
         dtype=str(engine.runner.dtype), kv_block_size=engine.config.block_size,
         kv_num_blocks=engine.runner.num_blocks, max_num_seqs=engine.config.max_num_seqs,
         has_tokenizer=engine.tokenizer is not None, load_format=engine.model.kind,

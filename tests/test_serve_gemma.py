@@ -59,7 +59,7 @@ def test_text_chat_tokenize_and_utf8_on_gemma(gemma: LoadedModel) -> None:
 
         info = client.model_info()
         assert (info.name, info.architecture, info.quantization) == (
-            "gemma3-270m", "gemma3", "Q4_K_M")
+            "gemma3-270m", "gemma3", "none (from Q4_K_M)")
         assert info.has_tokenizer and info.vocab_size == 262144 and info.context_length == 256
 
         assert "prompt is empty" in _invalid(lambda: list(client.generate("")))

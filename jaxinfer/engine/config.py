@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.ops.attention import check_attention_impl
+from jaxinfer.ops.attention import check_attention_impl, check_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_impl: str = "xla"
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 (per-token, per-head scales)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
@@ -33,6 +34,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         check_attention_impl(self.attention_impl)
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with the non-None `changes` applied."""

@@ -79,7 +79,7 @@ class LLMEngine:
         self.runner = ModelRunner(model.config, model.params, CacheConfig(
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             block_size=config.block_size, attention_impl=config.attention_impl,
-            kv_cache_memory=config.kv_cache_memory,
+            kv_cache_memory=config.kv_cache_memory, kv_cache_dtype=config.kv_cache_dtype,
         ))
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching)

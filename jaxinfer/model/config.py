@@ -113,9 +113,11 @@ class ModelConfig:
     def local_theta(self) -> float:
         return self.rope_local_theta if self.rope_local_theta is not None else self.rope_theta
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """Bytes of K and V one token occupies across all layers: `dtype_bytes` per
+        element, plus `scale_bytes` per (layer, kv head) for a quantized cache."""
+        per_head = self.head_dim * dtype_bytes + scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.config import ModelConfig, RopeScaling
+from jaxinfer.model.quant import QuantizedWeight, quantized_matmul
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
@@ -15,9 +16,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.
     return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+def linear(
+    x: jax.Array, weight: jax.Array | QuantizedWeight, bias: jax.Array | None = None
+) -> jax.Array:
     """x [..., in] times weight [out, in] (contracted on its last axis) -> [..., out]."""
-    y = jnp.einsum("...k,nk->...n", x, weight.astype(x.dtype))
+    if isinstance(weight, QuantizedWeight):
+        y = quantized_matmul(x, weight).astype(x.dtype)
+    else:
+        y = jnp.einsum("...k,nk->...n", x, weight.astype(x.dtype))
     return y if bias is None else y + bias.astype(x.dtype)
 
 
@@ -27,10 +33,13 @@ def activation(x: jax.Array, kind: str) -> jax.Array:
     return jax.nn.silu(x)
 
 
-def gated_mlp(x: jax.Array, layer: dict[str, jax.Array], kind: str) -> jax.Array:
-    """down(act(gate(x)) * up(x)); x [..., d_model]."""
+def gated_mlp(
+    x: jax.Array, layer: dict[str, jax.Array], kind: str
+) -> tuple[jax.Array, jax.Array]:
+    """down(act(gate(x)) * up(x)); x [..., d_model]. Also returns down's input."""
     gate = activation(linear(x, layer["gate_proj"]), kind)
-    return linear(gate * linear(x, layer["up_proj"]), layer["down_proj"])
+    hidden = gate * linear(x, layer["up_proj"])
+    return linear(hidden, layer["down_proj"]), hidden
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:

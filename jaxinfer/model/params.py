@@ -32,12 +32,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.model.config import ModelConfig
 
 Params = dict[str, Any]
+
+
+def compute_dtype(params: Params) -> np.dtype:
+    """The activation dtype: that of the (never quantized) norm weights."""
+    return np.dtype(params["final_norm"].dtype)
 
 
 def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -79,10 +85,14 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     return shapes
 
 
-def stack_layers(per_layer: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Stack a list of per-layer dicts into one dict of [L, ...] arrays."""
+def stack_layers(per_layer: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack a list of per-layer dicts into one dict of [L, ...] arrays (or quantized
+    weights, stacked leaf by leaf)."""
     names = per_layer[0].keys()
-    return {name: np.stack([layer[name] for layer in per_layer]) for name in names}
+    return {
+        name: jax.tree.map(lambda *xs: np.stack(xs), *[layer[name] for layer in per_layer])
+        for name in names
+    }
 
 
 def check_param_shapes(config: ModelConfig, params: Params) -> None:

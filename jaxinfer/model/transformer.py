@@ -20,36 +20,79 @@ from flax import struct
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.layers import apply_rope, gated_mlp, layer_rope, linear, rms_norm
-from jaxinfer.model.params import Params
+from jaxinfer.model.params import Params, compute_dtype
+from jaxinfer.model.quant import QuantizedWeight, take_rows
 from jaxinfer.ops.attention import (
     NO_WINDOW,
     AttentionFn,
     AttentionMetadata,
+    check_kv_cache_dtype,
     paged_attention_reference,
     write_kv,
+    write_kv_int8,
 )
 
 
 @struct.dataclass
 class KVCache:
-    """The paged K/V pools of all layers."""
+    """The paged K/V pools of all layers; int8 pools carry one f32 scale per row and head."""
 
-    k: jax.Array  # [L, num_blocks * block_size, kv_heads, head_dim]
+    k: jax.Array  # [L, num_blocks * block_size, kv_heads, head_dim], model dtype or int8
     v: jax.Array  # [L, num_blocks * block_size, kv_heads, head_dim]
+    k_scale: jax.Array | None = None  # [L, num_blocks * block_size, kv_heads] f32 (int8)
+    v_scale: jax.Array | None = None  # [L, num_blocks * block_size, kv_heads] f32 (int8)
 
     @property
     def num_rows(self) -> int:
         return self.k.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
 
-def init_kv_cache(config: ModelConfig, num_rows: int, dtype: jnp.dtype) -> KVCache:
+
+def init_kv_cache(
+    config: ModelConfig, num_rows: int, dtype: jnp.dtype, kv_cache_dtype: str = "auto"
+) -> KVCache:
+    """Zeroed pools: K/V in `dtype` ("auto"), or int8 values with f32 scales ("int8")."""
+    check_kv_cache_dtype(kv_cache_dtype)
     shape = (config.num_layers, num_rows, config.num_kv_heads, config.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    if kv_cache_dtype == "auto":
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return KVCache(
+        k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8),
+        k_scale=jnp.zeros(shape[:3], jnp.float32), v_scale=jnp.zeros(shape[:3], jnp.float32),
+    )
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: jnp.dtype, kv_cache_dtype: str) -> int:
+    """Pool bytes one token takes over all layers: 2 L KV hd x itemsize, plus
+    2 L KV x 4 bytes of scales for int8."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        return config.kv_bytes_per_token(1, scale_bytes=4)
+    return config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
+
+
+def write_kv_cache(
+    kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> KVCache:
+    """Write one layer's new k, v [B, T, KV, hd] at `slot_mapping` [B, T] (int8: quantized)."""
+    if kv.k_scale is None:
+        return kv.replace(k=write_kv(kv.k, layer, k, slot_mapping),
+                          v=write_kv(kv.v, layer, v, slot_mapping))
+    k_pool, k_scale = write_kv_int8(kv.k, kv.k_scale, layer, k, slot_mapping)
+    v_pool, v_scale = write_kv_int8(kv.v, kv.v_scale, layer, v, slot_mapping)
+    return KVCache(k=k_pool, v=v_pool, k_scale=k_scale, v_scale=v_scale)
 
 
 def embed_tokens(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] -> [B, T, d_model], scaled by sqrt(d_model) for Gemma."""
-    h = jnp.take(params["embed"], tokens, axis=0)
+    embed = params["embed"]
+    if isinstance(embed, QuantizedWeight):
+        h = take_rows(embed, tokens).astype(compute_dtype(params))
+    else:
+        h = jnp.take(embed, tokens, axis=0)
     if config.scale_embeddings:
         h = h * jnp.asarray(math.sqrt(config.d_model), h.dtype)
     return h
@@ -77,32 +120,46 @@ def forward(
     attention_fn: AttentionFn = paged_attention_reference,
 ) -> tuple[jax.Array, KVCache]:
     """Run all layers; writes the new K/V into the pool. Returns hidden [B, T, d_model]."""
+    h, kv, _ = _run_layers(params, config, tokens, kv, meta, block_size, attention_fn, False)
+    return h, kv
+
+
+def _run_layers(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,  # [B, T] int32
+    kv: KVCache,
+    meta: AttentionMetadata,
+    block_size: int,
+    attention_fn: AttentionFn,
+    record_inputs: bool,
+) -> tuple[jax.Array, KVCache, dict[str, jax.Array]]:
+    """The layer scan; with `record_inputs`, also each layer's matmul inputs."""
     h = embed_tokens(params, config, tokens)
     rope = layer_rope(config, meta.positions)
     is_local = jnp.array([t == "local" for t in config.layer_types], jnp.int32)  # [L]
     windows = jnp.where(is_local == 1, config.sliding_window or NO_WINDOW, NO_WINDOW)
 
     def body(carry, xs):
-        h, k_pool, v_pool = carry
+        h, kv = carry
         layer, index, local, window = xs
         cos, sin = rope["cos"][local], rope["sin"][local]
-        h, k_pool, v_pool = _decoder_layer(
-            config, layer, h, k_pool, v_pool, index, meta, cos, sin, window,
-            block_size=block_size, attention_fn=attention_fn,
+        h, kv, taps = _decoder_layer(
+            config, layer, h, kv, index, meta, cos, sin, window,
+            block_size=block_size, attention_fn=attention_fn, record_inputs=record_inputs,
         )
-        return (h, k_pool, v_pool), None
+        return (h, kv), taps
 
     xs = (params["layers"], jnp.arange(config.num_layers), is_local, windows)
-    (h, k_pool, v_pool), _ = jax.lax.scan(body, (h, kv.k, kv.v), xs)
-    return h, KVCache(k=k_pool, v=v_pool)
+    (h, kv), taps = jax.lax.scan(body, (h, kv), xs)
+    return h, kv, taps
 
 
 def _decoder_layer(
     config: ModelConfig,
     layer: Params,
     h: jax.Array,  # [B, T, d_model]
-    k_pool: jax.Array,  # [L, rows, KV, hd]
-    v_pool: jax.Array,
+    kv: KVCache,  # all layers' pools; this layer's rows are written at `index`
     index: jax.Array,
     meta: AttentionMetadata,
     cos: jax.Array,  # [B, T, hd]
@@ -111,25 +168,30 @@ def _decoder_layer(
     *,
     block_size: int,
     attention_fn: AttentionFn,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    record_inputs: bool = False,
+) -> tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     eps, offset = config.norm_eps, config.norm_offset
     x = rms_norm(h, layer["attn_norm"], eps, offset)
+    taps = {"q_proj": x}
     q, k, v = _project_qkv(config, layer, x, cos, sin)
-    k_pool = write_kv(k_pool, index, k, meta.slot_mapping)
-    v_pool = write_kv(v_pool, index, v, meta.slot_mapping)
+    kv = write_kv_cache(kv, index, k, v, meta.slot_mapping)
     attn = attention_fn(
-        q, k_pool, v_pool, index, meta, block_size=block_size, scale=config.attn_scale,
-        window=window, softcap=config.attn_logit_softcap,
+        q, kv.k, kv.v, index, meta, block_size=block_size, scale=config.attn_scale,
+        window=window, softcap=config.attn_logit_softcap, k_scale=kv.k_scale,
+        v_scale=kv.v_scale,
     )
-    out = linear(attn.reshape(*attn.shape[:2], -1), layer["o_proj"])
+    attn = attn.reshape(*attn.shape[:2], -1)
+    taps["o_proj"] = attn
+    out = linear(attn, layer["o_proj"])
     if config.sandwich_norms:
         out = rms_norm(out, layer["post_attn_norm"], eps, offset)
     h = h + out
     x = rms_norm(h, layer["mlp_norm"], eps, offset)
-    out = gated_mlp(x, layer, config.activation)
+    taps["gate_proj"] = x
+    out, taps["down_proj"] = gated_mlp(x, layer, config.activation)
     if config.sandwich_norms:
         out = rms_norm(out, layer["post_mlp_norm"], eps, offset)
-    return h + out, k_pool, v_pool
+    return h + out, kv, taps if record_inputs else {}
 
 
 def _project_qkv(
@@ -152,15 +214,30 @@ def full_logits(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.A
 
     A convenience for tests and scoring: one block of T rows per sequence.
     """
+    h, _ = _dense_forward(params, config, tokens, record_inputs=False)
+    return lm_head(params, config, h)
+
+
+def matmul_inputs(params: Params, config: ModelConfig, tokens: jax.Array) -> dict[str, jax.Array]:
+    """Calibration: every layer's matmul inputs over tokens [B, T], stacked [L, B, T, in],
+    keyed by the first weight reading them (q_proj: also k/v; gate_proj: also up)."""
+    _, taps = _dense_forward(params, config, tokens, record_inputs=True)
+    return taps
+
+
+def _dense_forward(
+    params: Params, config: ModelConfig, tokens: jax.Array, *, record_inputs: bool
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """All positions of tokens [B, T] from position 0, one KV block of T rows each."""
     tokens = jnp.asarray(tokens, jnp.int32)
     b, t = tokens.shape
-    dtype = params["embed"].dtype
-    kv = init_kv_cache(config, b * t, dtype)
+    kv = init_kv_cache(config, b * t, compute_dtype(params))
     meta = AttentionMetadata(
         positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
         slot_mapping=jnp.arange(b * t, dtype=jnp.int32).reshape(b, t),
         block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
         context_lens=jnp.full((b,), t, jnp.int32),
     )
-    h, _ = forward(params, config, tokens, kv, meta, block_size=t)
-    return lm_head(params, config, h)
+    h, _, taps = _run_layers(params, config, tokens, kv, meta, t, paged_attention_reference,
+                             record_inputs)
+    return h, taps

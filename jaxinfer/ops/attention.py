@@ -8,6 +8,13 @@
 New K/V are written into the pool with an XLA scatter (`write_kv`) for every
 implementation: it updates the donated pool in place, touches only the written
 rows, and XLA fuses it with the K/V projection; a kernel would buy nothing.
+
+`kv_cache_dtype`:
+- `auto`: the pool stores K/V in the model's dtype;
+- `int8`: int8 values plus one f32 scale per token and KV head
+  (`write_kv_int8` quantizes on write; every attention implementation takes
+  the scale pools as `k_scale` / `v_scale`), about 4x (f32) or 2x (bf16)
+  more tokens in the same memory.
 """
 
 from __future__ import annotations
@@ -18,14 +25,23 @@ from functools import partial
 import jax
 
 from jaxinfer.errors import ConfigError
-from pallas_kernels.reference import NO_WINDOW, AttentionMetadata, paged_attention_reference
+from pallas_kernels.reference import (
+    NO_WINDOW,
+    AttentionMetadata,
+    dequantize_int8,
+    paged_attention_reference,
+    quantize_int8,
+)
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 AttentionFn = Callable[..., jax.Array]
 
-__all__ = ["ATTENTION_IMPLS", "NO_WINDOW", "AttentionFn", "AttentionMetadata",
-           "check_attention_impl", "get_attention_fn", "paged_attention_reference", "write_kv"]
+__all__ = ["ATTENTION_IMPLS", "KV_CACHE_DTYPES", "NO_WINDOW", "AttentionFn",
+           "AttentionMetadata", "check_attention_impl", "check_kv_cache_dtype",
+           "dequantize_int8", "get_attention_fn", "paged_attention_reference", "quantize_int8",
+           "write_kv", "write_kv_int8"]
 
 
 def check_attention_impl(impl: str) -> None:
@@ -33,6 +49,14 @@ def check_attention_impl(impl: str) -> None:
     if impl not in ATTENTION_IMPLS:
         raise ConfigError(
             f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}"
+        )
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """Raise ConfigError unless `kv_cache_dtype` names a KV cache storage type."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
         )
 
 
@@ -56,10 +80,22 @@ def _pallas_attention(q: jax.Array, *args: object, interpret: bool, **kwargs: ob
 def write_kv(
     pool: jax.Array, layer: jax.Array, new: jax.Array, slot_mapping: jax.Array
 ) -> jax.Array:
-    """Scatter new [B, T, KV, hd] into pool [L, rows, KV, hd] at `layer`.
+    """Scatter new [B, T, KV, ...] into pool [L, rows, KV, ...] at `layer`.
 
     Padding tokens carry out-of-range slots and are dropped.
     """
     rows = slot_mapping.reshape(-1)
     values = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
     return pool.at[layer, rows].set(values, mode="drop")
+
+
+def write_kv_int8(
+    pool: jax.Array,  # [L, rows, KV, hd] int8
+    scales: jax.Array,  # [L, rows, KV] f32
+    layer: jax.Array,
+    new: jax.Array,  # [B, T, KV, hd]
+    slot_mapping: jax.Array,  # [B, T]
+) -> tuple[jax.Array, jax.Array]:
+    """Quantize new K or V per token and head, then scatter values and scales like `write_kv`."""
+    values, scale = quantize_int8(new)  # [B, T, KV, hd] int8, [B, T, KV] f32
+    return write_kv(pool, layer, values, slot_mapping), write_kv(scales, layer, scale, slot_mapping)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,8 +24,16 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
 from jaxinfer.tokenizer import META_FILE as TOKENIZER_META
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.weights import gguf_loader, hf, orbax_ckpt
+from jaxinfer.weights import awq, gguf_loader, hf, orbax_ckpt
 from jaxinfer.weights.dummy import dummy_params
+from jaxinfer.weights.quantize import (
+    DEFAULT_GROUP_SIZE,
+    QUANTIZATIONS,
+    Quantizer,
+    check_quantization,
+    matrix_quantizer,
+    quantize_params,
+)
 
 DEFAULT_MODEL = "gemma3-270m"
 LOAD_FORMATS = ("auto", "dummy")
@@ -40,7 +49,14 @@ class LoadedModel:
     source: str  # what was loaded, for humans: a path or a preset name
     kind: str  # "gguf" | "hf" | "checkpoint" | "dummy"
     load_seconds: float
-    quantization: str = "none"  # how the source stored the weights, e.g. "Q4_K_M"
+    source_quantization: str = "none"  # how the source stored the weights, e.g. "Q4_K_M"
+    quantization: str = "none"  # how the weights are held: none | int8 | int4 | int4-awq
+
+    def describe_quantization(self) -> str:
+        """E.g. "int8 (from Q4_K_M)", "none (from Q4_K_M)", "int4-awq", "none"."""
+        if self.source_quantization == "none":
+            return self.quantization
+        return f"{self.quantization} (from {self.source_quantization})"
 
 
 @dataclass(frozen=True)
@@ -78,28 +94,55 @@ def resolve_dtype(dtype: str | Any) -> Any:
 
 
 def load_model(
-    source: str | Path = DEFAULT_MODEL, *, dtype: str | Any = "float32", load_format: str = "auto"
+    source: str | Path = DEFAULT_MODEL,
+    *,
+    dtype: str | Any = "float32",
+    load_format: str = "auto",
+    quantization: str = "none",
+    quant_group_size: int = DEFAULT_GROUP_SIZE,
 ) -> LoadedModel:
-    """Load weights, config and tokenizer from any supported source."""
+    """Load weights, config and tokenizer from any supported source.
+
+    `quantization` (none | int8 | w8a8 | int4 | int4-awq) converts the weights as they
+    load, int4 in groups of `quant_group_size` inputs; a checkpoint saved quantized
+    loads as it was saved.
+    """
     if load_format not in LOAD_FORMATS:
         raise ConfigError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
+    check_quantization(quantization)
     np_dtype = resolve_dtype(dtype)
     start = time.perf_counter()
+    # AWQ calibrates on the float model; the other methods convert tensor by tensor.
+    quantizer = None if quantization == "int4-awq" else matrix_quantizer(quantization,
+                                                                          quant_group_size)
     if load_format == "dummy":
-        config, params, tokenizer, kind = _load_dummy(source, np_dtype)
-        quantization = "none"
+        loaded = _load_dummy(source, np_dtype, quantizer)
     else:
-        config, params, tokenizer, kind, quantization = _load_real(source, np_dtype)
-    seconds = time.perf_counter() - start
-    return LoadedModel(config, params, tokenizer, str(source), kind, seconds, quantization)
+        loaded = _load_real(source, np_dtype, quantizer)
+    loaded.quantization = _stored_quantization(loaded, quantization)
+    if quantization == "int4-awq" and loaded.kind != "checkpoint":
+        loaded.params = awq.quantize_awq(loaded.params, loaded.config, loaded.tokenizer,
+                                         quant_group_size)
+    loaded.load_seconds = time.perf_counter() - start
+    return loaded
 
 
-def _load_real(
-    source: str | Path, dtype: Any
-) -> tuple[ModelConfig, Params, Tokenizer | None, str, str]:
-    """(config, params, tokenizer, kind, quantization) from a file, folder or preset."""
+def _stored_quantization(loaded: LoadedModel, requested: str) -> str:
+    """The checkpoint's own quantization wins; asking for another one is an error."""
+    if loaded.kind != "checkpoint" or loaded.quantization == "none":
+        return requested
+    if requested not in ("none", loaded.quantization):
+        raise ConfigError(
+            f"{loaded.source} was saved with quantization {loaded.quantization}; "
+            f"convert again from the original weights to get {requested}"
+        )
+    return loaded.quantization
+
+
+def _load_real(source: str | Path, dtype: Any, quantizer: Quantizer | None) -> LoadedModel:
+    """Config, params and tokenizer from a file, folder or preset."""
     path = Path(source)
     preset_name = None
     if not path.exists():
@@ -111,35 +154,35 @@ def _load_real(
             )
         path, preset_name = resolve_source(preset.source), preset.name
     if path.is_file():
-        config, params, tokenizer, quantization = _load_gguf(path, dtype, preset_name)
-        return config, params, tokenizer, "gguf", quantization
+        return _load_gguf(path, dtype, preset_name, quantizer, str(source))
     if orbax_ckpt.is_checkpoint(path):
-        config, params = orbax_ckpt.load_checkpoint(path, dtype)
+        config, params, stored = orbax_ckpt.load_checkpoint(path, dtype)
         tokenizer = Tokenizer.load(path) if (path / TOKENIZER_META).is_file() else None
-        return config, params, tokenizer, "checkpoint", "none"
+        return LoadedModel(config, params, tokenizer, str(source), "checkpoint", 0.0,
+                           quantization=stored)
     if (path / "config.json").is_file():
         config, params = hf.load_hf_folder(path, dtype)
         has_tokenizer = any((path / name).is_file() for name in HF_TOKENIZER_FILES)
         tokenizer = Tokenizer.from_hf_dir(path) if has_tokenizer else None
-        return config, params, tokenizer, "hf", "none"
+        params = params if quantizer is None else quantize_params(params, quantizer)
+        return LoadedModel(config, params, tokenizer, str(source), "hf", 0.0)
     raise ModelLoadError(
         f"{path} is neither a GGUF file, an HF folder (config.json) nor a jaxinfer checkpoint"
     )
 
 
 def _load_gguf(
-    path: Path, dtype: Any, name: str | None
-) -> tuple[ModelConfig, Params, Tokenizer, str]:
+    path: Path, dtype: Any, name: str | None, quantizer: Quantizer | None, source: str
+) -> LoadedModel:
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.config_from_gguf(reader, name=name)
     tokenizer = Tokenizer.from_gguf(reader)
-    params = gguf_loader.load_gguf_params(reader, config, dtype)
-    return config, params, tokenizer, gguf_loader.file_type_name(reader)
+    params = gguf_loader.load_gguf_params(reader, config, dtype, quantizer)
+    return LoadedModel(config, params, tokenizer, source, "gguf", 0.0,
+                       source_quantization=gguf_loader.file_type_name(reader))
 
 
-def _load_dummy(
-    source: str | Path, dtype: Any
-) -> tuple[ModelConfig, Params, Tokenizer | None, str]:
+def _load_dummy(source: str | Path, dtype: Any, quantizer: Quantizer | None) -> LoadedModel:
     """Random weights; the config comes from a preset, or from a file's metadata."""
     path = Path(source)
     tokenizer = None
@@ -150,7 +193,10 @@ def _load_dummy(
         config = hf.config_from_hf(hf.read_json(path / "config.json"), path.name)
     else:
         config = load_preset(str(source)).config
-    return config, dummy_params(config, dtype), tokenizer, "dummy"
+    params = dummy_params(config, dtype)
+    if quantizer is not None:
+        params = quantize_params(jax.tree.map(np.asarray, params), quantizer)
+    return LoadedModel(config, params, tokenizer, str(source), "dummy", 0.0)
 
 
 def resolve_source(source: str) -> Path:
@@ -168,4 +214,5 @@ def resolve_source(source: str) -> Path:
     return Path(module.assemble())
 
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "list_presets", "load_model", "load_preset"]
+__all__ = ["DEFAULT_MODEL", "QUANTIZATIONS", "LoadedModel", "list_presets", "load_model",
+           "load_preset"]

@@ -1,11 +1,15 @@
 """GGUF checkpoints (llama.cpp's format), read with the `gguf` package.
 
 Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0, F16, ...) are dequantized to the
-compute dtype. Two llama.cpp conventions are undone on the way in:
+compute dtype, or, with a quantizer, converted to our int8/int4 formats. Matrices in
+Q8_0, Q5_0, Q6_K and Q4_K are read from their blocks a chunk of rows at a time
+(`gguf_quants`), never as a whole f32 tensor; other types go through gguf.quants' f32.
+Two llama.cpp conventions are undone on the way in:
 - Gemma's RMSNorm weights are stored with the +1 already added; our params
   keep the checkpoint's (1 + w) convention, so 1 is subtracted (as HF does).
 - Llama-style GGUFs permute the rows of Q and K for llama.cpp's interleaved
-  RoPE; we use the rotate-half layout, so the permutation is reversed.
+  RoPE; we use the rotate-half layout, so the permutation is reversed (on the
+  rows of the blocks, for a matrix still in its blocks).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from jaxinfer.errors import ModelLoadError
 from jaxinfer.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxinfer.model.config import ModelConfig, RopeScaling, gemma3_layer_types
 from jaxinfer.model.params import Params, check_param_shapes, stack_layers
+from jaxinfer.weights.gguf_quants import GGUFMatrix, can_decode
+from jaxinfer.weights.quantize import Quantizer
 
 # GGUF architecture name -> (our architecture, qkv bias, Q/K rows permuted by llama.cpp)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
@@ -157,21 +163,24 @@ def _tensor_info(reader: GGUFFile, name: str, required: bool = True) -> GGUFTens
 
 
 def load_gguf_params(
-    reader: GGUFFile, config: ModelConfig, dtype: Any = np.float32
+    reader: GGUFFile, config: ModelConfig, dtype: Any = np.float32,
+    quantizer: Quantizer | None = None,
 ) -> Params:
-    """Dequantize every tensor into the params pytree (numpy arrays of `dtype`)."""
+    """Dequantize every tensor into the params pytree (numpy arrays of `dtype`).
+
+    With a `quantizer`, each matrix is requantized as it is decoded: from its blocks
+    chunk by chunk where `gguf_quants` decodes its type, else from one f32 tensor.
+    """
     gguf_arch = reader.get("general.architecture")
     permute_qk = GGUF_ARCHITECTURES[gguf_arch][2]
-    top: dict[str, np.ndarray] = {}
-    layers: list[dict[str, np.ndarray]] = [{} for _ in range(config.num_layers)]
+    top: dict[str, Any] = {}
+    layers: list[dict[str, Any]] = [{} for _ in range(config.num_layers)]
     for tensor in reader.tensors.values():
         target, layer_index = _target_name(tensor.name)
         if target is None:
             continue
-        weight = _dequantize(tensor)
-        weight = _undo_conventions(weight, target, config, permute_qk)
         destination = top if layer_index is None else layers[layer_index]
-        destination[target] = weight.astype(dtype, copy=False)
+        destination[target] = _load_tensor(tensor, target, config, permute_qk, dtype, quantizer)
     params: Params = {**top, "layers": stack_layers(layers)}
     check_param_shapes(config, params)
     return params
@@ -185,6 +194,21 @@ def _target_name(gguf_name: str) -> tuple[str | None, int | None]:
     return GLOBAL_TENSORS.get(base), None
 
 
+def _load_tensor(
+    tensor: GGUFTensor, target: str, config: ModelConfig, permute_qk: bool, dtype: Any,
+    quantizer: Quantizer | None,
+) -> Any:
+    """One tensor in its params form: a `dtype` array or the quantizer's output."""
+    if can_decode(tensor) and not target.endswith("norm"):
+        matrix = _undo_conventions(GGUFMatrix.from_tensor(tensor), target, config, permute_qk)
+        weight = matrix.dequantize(dtype) if quantizer is None else quantizer(target, matrix)
+    else:
+        weight = _undo_conventions(_dequantize(tensor), target, config, permute_qk)
+        weight = weight.astype(dtype, copy=False)
+        weight = weight if quantizer is None else quantizer(target, weight)
+    return weight.astype(dtype, copy=False) if isinstance(weight, np.ndarray) else weight
+
+
 def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     try:
         return tensor.dequantize()
@@ -195,12 +219,14 @@ def _dequantize(tensor: GGUFTensor) -> np.ndarray:
 
 
 def _undo_conventions(
-    weight: np.ndarray, target: str, config: ModelConfig, permute_qk: bool
-) -> np.ndarray:
+    weight: np.ndarray | GGUFMatrix, target: str, config: ModelConfig, permute_qk: bool
+) -> np.ndarray | GGUFMatrix:
     if config.norm_offset and target.endswith("norm"):
         return weight - np.float32(config.norm_offset)
     if permute_qk and target in ("q_proj", "k_proj", "q_bias", "k_bias"):
         heads = config.num_heads if target.startswith("q") else config.num_kv_heads
+        if isinstance(weight, GGUFMatrix):  # a row permutation: reorder the block rows
+            return weight.permute_rows(reverse_qk_permutation(np.arange(weight.shape[0]), heads))
         return reverse_qk_permutation(weight, heads)
     return weight
 

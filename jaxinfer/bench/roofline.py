@@ -1,0 +1,108 @@
+"""A roofline line per step function: FLOPs and bytes against the machine's peaks.
+
+The machine's peaks are measured, not looked up: a large array reduction and
+copy for memory bandwidth (GB/s), a large matmul in the model's dtype for
+compute (GFLOP/s). A step's FLOPs and bytes come from XLA's cost analysis of
+the compiled step (`jit(...).lower(...).compile().cost_analysis()`), for the
+padded shapes the runner really dispatches (batch and length buckets, block
+table width); with a measured step time they give the achieved GB/s and
+GFLOP/s and their fractions of the peaks. Decode at small batch should sit
+near the bandwidth roof, long prefills near the compute roof.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.runner import MIN_CONTEXT_BLOCKS, MIN_PREFILL_BUCKET, ModelRunner, next_power_of_two
+from jaxinfer.sampling import make_sampling_arrays
+
+BANDWIDTH_ELEMENTS = 1 << 26  # 256 MiB of f32: far past any cache
+MATMUL_SIZE = {"cpu": 2048}  # other backends: 8192
+REPEATS = 5
+
+
+def _best_seconds(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
+    jax.block_until_ready(fn())  # compile and warm
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_peaks(dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Memory GB/s (best of a sum and a copy) and matmul GFLOP/s in `dtype`."""
+    backend = jax.default_backend()
+    x = jnp.ones((BANDWIDTH_ELEMENTS,), jnp.float32)
+    nbytes = x.size * x.dtype.itemsize
+    read = nbytes / _best_seconds(lambda: jnp.sum(x))
+    copy = 2 * nbytes / _best_seconds(lambda: x * 2.0)
+    n = MATMUL_SIZE.get(backend, 8192)
+    a = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda p, q: p @ q)
+    flops = 2 * n**3 / _best_seconds(lambda: matmul(a, a))
+    return {"backend": backend, "device": str(jax.devices()[0].device_kind),
+            "memory_gbps": max(read, copy) / 1e9, "compute_gflops": flops / 1e9,
+            "matmul_dtype": str(jnp.dtype(dtype)), "matmul_n": n}
+
+
+def prefill_shape(runner: ModelRunner, prompt_len: int, budget: int) -> dict[str, int]:
+    """The padded prefill call(s) of one `prompt_len` prompt, chunked by `budget` tokens."""
+    chunk = min(prompt_len, budget)
+    length = min(next_power_of_two(chunk, MIN_PREFILL_BUCKET),
+                 runner.cache.max_blocks_per_seq * runner.cache.block_size)
+    blocks = math.ceil(prompt_len / runner.cache.block_size)  # the last chunk's context
+    width = min(next_power_of_two(blocks, MIN_CONTEXT_BLOCKS), runner.cache.max_blocks_per_seq)
+    return {"batch": 1, "length": length, "width": width, "calls": math.ceil(prompt_len / chunk)}
+
+
+def decode_shape(runner: ModelRunner, batch: int, context: int) -> dict[str, int]:
+    """The padded decode call of `batch` sequences whose longest context is `context`."""
+    blocks = math.ceil(context / runner.cache.block_size)
+    width = min(next_power_of_two(blocks, MIN_CONTEXT_BLOCKS), runner.cache.max_blocks_per_seq)
+    return {"batch": next_power_of_two(batch, 1), "length": 1, "width": width, "calls": 1}
+
+
+def example_step_args(runner: ModelRunner, batch: int, length: int, width: int,
+                      is_prefill: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(args, kwargs) of one all-padding call of the runner's jitted step, as
+    `ModelRunner._warm` builds them."""
+    step_batch = runner._batch([], batch, length, is_prefill, width=width)
+    sampling = make_sampling_arrays([], [], [], batch)
+    args = (runner.params, runner.kv, runner.penalties, step_batch, sampling)
+    return args, {"num_top_logprobs": 0, "prompt_logprobs": False, "is_prefill": is_prefill}
+
+
+def step_cost(runner: ModelRunner, shape: dict[str, int], is_prefill: bool) -> dict[str, float]:
+    """FLOPs and bytes accessed of one compiled step call (XLA's cost analysis)."""
+    args, kwargs = example_step_args(runner, shape["batch"], shape["length"], shape["width"],
+                                     is_prefill)
+    compiled = runner._step.lower(*args, **kwargs).compile()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    return {"flops": float(cost.get("flops", math.nan)),
+            "bytes": float(cost.get("bytes accessed", math.nan))}
+
+
+def roofline_line(step: str, cost: dict[str, float], calls: int, seconds: float,
+                  peaks: dict[str, Any]) -> dict[str, Any]:
+    """Achieved GB/s and GFLOP/s of `calls` step calls taking `seconds` in all, and
+    their fractions of the measured peaks."""
+    flops, nbytes = cost["flops"] * calls, cost["bytes"] * calls
+    gbps = nbytes / seconds / 1e9 if seconds > 0 else math.nan
+    gflops = flops / seconds / 1e9 if seconds > 0 else math.nan
+    return {"step": step, "flops": flops, "bytes": nbytes, "seconds": seconds,
+            "intensity": flops / nbytes if nbytes else math.nan,
+            "gbps": gbps, "gflops": gflops,
+            "bandwidth_fraction": gbps / peaks["memory_gbps"],
+            "compute_fraction": gflops / peaks["compute_gflops"]}

@@ -1,0 +1,156 @@
+"""Quantized weights and the matmuls that read them without a full-precision copy.
+
+A `QuantizedWeight` stands in for a float matrix `w [..., out, in]` of the params
+pytree (leading axes: the stacked layer axis):
+
+- int8 (`bits=8`): `w ≈ values * scale`, values int8 `[..., out, in]`, one scale
+  per output row and group of `group_size` inputs (`group_size == in`: per channel).
+- int4 (`bits=4`): `w ≈ u * scale + offset`, u in 0..15 packed two per byte along
+  the input axis (element 2j in the low nibble of byte j, 2j+1 in the high one),
+  an asymmetric scale/offset pair per group (AWQ's and llama.cpp's Q4_K form).
+- `act_scale [..., in]` (optional, AWQ): the input is multiplied by it before the
+  matmul; the stored weight was divided by it, so salient input channels keep
+  more of their precision.
+
+Which matmul form runs is chosen per call from the static number of activation
+rows (see shared CPU notes, measured on XLA CPU):
+- weight-only (the default): the int8->f32 convert (and scale, or int4 unpack) is an
+  elementwise producer of the dot. Below `W8A8_MIN_ROWS` rows (decode) XLA fuses it
+  into the matrix-vector product: the weight is read once, compact. With more rows
+  XLA on CPU converts one layer's matrix at a time inside the layer scan (a few MB,
+  amortized over the rows: as fast as f32 at 512 rows, 2x slower at 8-32).
+- `w8a8=True`, from `W8A8_MIN_ROWS` rows: activations are quantized per row and
+  per group of `act_group` inputs (0: whole rows) and the dot runs int8 x int8 ->
+  int32, one partial dot per group: 3-5x faster than f32 on this CPU at any batch,
+  at a cost in accuracy (Gemma's MLP activations have outlier channels; groups of
+  128 halve the logit error of whole rows). The LM head keeps whole rows, where
+  groups would cost 3x and gain nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+W8A8_MIN_ROWS = 8  # from this many activation rows, int8 weights use the int8 x int8 dot
+
+
+@struct.dataclass
+class QuantizedWeight:
+    values: jax.Array  # int8 [..., out, in] | uint8 [..., out, in // 2] (bits=4)
+    scales: jax.Array  # f32 [..., out, in // group_size]
+    offsets: jax.Array | None = None  # f32 [..., out, in // group_size] (bits=4)
+    act_scale: jax.Array | None = None  # f32 [..., in] (AWQ)
+    bits: int = struct.field(pytree_node=False, default=8)
+    group_size: int = struct.field(pytree_node=False, default=0)
+    w8a8: bool = struct.field(pytree_node=False, default=False)  # int8 activations at batch
+    act_group: int = struct.field(pytree_node=False, default=0)  # their groups (0: rows)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape of the float matrix this stands for."""
+        *lead, out, packed = self.values.shape
+        return (*lead, out, packed * 8 // self.bits)
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.values, self.scales, self.offsets, self.act_scale)
+        return sum(int(p.size) * p.dtype.itemsize for p in parts if p is not None)
+
+    @property
+    def kind(self) -> str:
+        return f"int{self.bits}" + ("" if self.num_groups == 1 else f"-g{self.group_size}")
+
+
+def is_quantized(weight: object) -> bool:
+    return isinstance(weight, QuantizedWeight)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """uint8 [..., n // 2] -> uint8 [..., n], low nibble first."""
+    pairs = jnp.stack([packed & 15, packed >> 4], axis=-1)
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def dequantize(weight: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """The float matrix [..., out, in] (folding act_scale back in). For tests and rows
+    of the embedding; never called on a whole weight inside a step."""
+    values = unpack_int4(weight.values) if weight.bits == 4 else weight.values
+    *lead, out, n_in = values.shape
+    grouped = values.reshape(*lead, out, weight.num_groups, -1).astype(jnp.float32)
+    w = grouped * weight.scales[..., None]
+    if weight.offsets is not None:
+        w = w + weight.offsets[..., None]
+    w = w.reshape(*lead, out, n_in)
+    if weight.act_scale is not None:
+        w = w * weight.act_scale[..., None, :]
+    return w.astype(dtype)
+
+
+def take_rows(weight: QuantizedWeight, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of a 2-D quantized matrix, dequantized: the embedding lookup."""
+    rows = QuantizedWeight(
+        values=jnp.take(weight.values, ids, axis=0),
+        scales=jnp.take(weight.scales, ids, axis=0),
+        offsets=None if weight.offsets is None else jnp.take(weight.offsets, ids, axis=0),
+        act_scale=weight.act_scale, bits=weight.bits, group_size=weight.group_size,
+    )
+    return dequantize(rows)
+
+
+def quantized_matmul(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
+    """x [..., in] times the quantized weight [out, in] -> f32 [..., out]."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [rows, in]
+    if weight.act_scale is not None:
+        x2 = x2 * weight.act_scale
+    use_int8_activations = weight.w8a8 and x2.shape[0] >= W8A8_MIN_ROWS
+    y = _w8a8(x2, weight) if use_int8_activations else _weight_only(x2, weight)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def _weight_only(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
+    """Dequantization as the dot's elementwise producer (fused at small row counts).
+
+    The form matters: `x @ w.T.astype(f32)` (transpose, then convert) fuses on XLA
+    CPU, while `einsum("rk,nk->rn", x, w.astype(f32))` materializes the f32 weight
+    (tests/test_quant.py checks the compiled temporaries).
+    """
+    if weight.bits == 8 and weight.num_groups == 1:
+        return (x @ weight.values.T.astype(jnp.float32)) * weight.scales[:, 0]
+    w = dequantize(QuantizedWeight(weight.values, weight.scales, weight.offsets, None,
+                                   weight.bits, weight.group_size))
+    return x @ w.T
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric per-row int8: x [rows, k] -> (int8 [rows, k], f32 scale [rows, 1])."""
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale)
+    return jnp.round(x / scale).astype(jnp.int8), scale
+
+
+def _w8a8(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
+    """int8 x int8 -> int32 dots, one per group of inputs, with per-row activation scales.
+
+    The input is split into groups of `act_group` (activation scales) or `group_size`
+    (weight scales), whichever is finer; per-channel weights with whole-row activations
+    take one dot.
+    """
+    rows, n_in = x.shape
+    group = min(weight.act_group or n_in, weight.group_size or n_in)
+    groups = n_in // group
+    xq, x_scale = quantize_rows(x.reshape(rows, groups, group))  # [rows, G, g], [rows, G, 1]
+    w_groups = weight.values.reshape(weight.values.shape[0], groups, group)  # [out, G, g]
+    acc = jax.lax.dot_general(xq, w_groups, (((2,), (2,)), ((1,), (1,))),
+                              preferred_element_type=jnp.int32)  # [G, rows, out]
+    w_scale = jnp.repeat(weight.scales, groups // weight.num_groups, axis=-1)  # [out, G]
+    if groups == 1:
+        return acc[0].astype(jnp.float32) * x_scale[:, 0] * w_scale[:, 0]
+    scaled = acc.astype(jnp.float32) * jnp.transpose(x_scale, (1, 0, 2))
+    return jnp.einsum("grn,ng->rn", scaled, w_scale)
