@@ -300,13 +300,23 @@ class ModelRunner:
         widths = [w for w in _powers_of_two(cap, MIN_CONTEXT_BLOCKS) if w < cap]
         return [*widths, cap]
 
-    def _warm(self, rows: int, length: int, width: int, *, is_prefill: bool) -> None:
-        batch = self._batch([], rows, length, is_prefill, width=width)  # all padding
+    def example_step_args(
+        self, rows: int, length: int, width: int, *, is_prefill: bool
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """(args, kwargs) of one all-padding step call of this shape, plain sampling."""
+        batch = self._batch([], rows, length, is_prefill, width=width)
         sampling = make_sampling_arrays([], [], [], rows)
-        _, self.kv, self.penalties = self._step(
-            self.params, self.kv, self.penalties, batch, sampling,
-            num_top_logprobs=0, prompt_logprobs=False, is_prefill=is_prefill,
-        )
+        kwargs = {"num_top_logprobs": 0, "prompt_logprobs": False, "is_prefill": is_prefill}
+        return (self.params, self.kv, self.penalties, batch, sampling), kwargs
+
+    def cost_analysis_step(self) -> Any:
+        """The step with its layer loop unrolled, to lower for XLA's cost analysis."""
+        return _jitted_step(self.config, self.cache.block_size, self.cache.attention_impl,
+                            unroll_layers=True)
+
+    def _warm(self, rows: int, length: int, width: int, *, is_prefill: bool) -> None:
+        args, kwargs = self.example_step_args(rows, length, width, is_prefill=is_prefill)
+        _, self.kv, self.penalties = self._step(*args, **kwargs)
 
     def _dispatch(self, rows: Sequence[Row], length: int, *, is_prefill: bool) -> PendingStep:
         batch = self._batch(rows, next_power_of_two(len(rows), 1), length, is_prefill)
@@ -363,10 +373,12 @@ class ModelRunner:
 
 
 @functools.cache
-def _jitted_step(config: ModelConfig, block_size: int, attention_impl: str) -> Any:
+def _jitted_step(
+    config: ModelConfig, block_size: int, attention_impl: str, unroll_layers: bool = False
+) -> Any:
     """One jitted step per (model config, block size, kernel): runners share compilations."""
     step = partial(_step, config=config, block_size=block_size,
-                   attention_fn=get_attention_fn(attention_impl))
+                   attention_fn=get_attention_fn(attention_impl), unroll_layers=unroll_layers)
     return jax.jit(
         step, static_argnames=("num_top_logprobs", "prompt_logprobs", "is_prefill"),
         donate_argnames=("kv", "penalties"),
@@ -425,10 +437,11 @@ def _step(
     num_top_logprobs: int,
     prompt_logprobs: bool,
     is_prefill: bool,
+    unroll_layers: bool = False,
 ) -> tuple[StepOutput, KVCache, PenaltyState]:
     """Forward, sample and update the penalty state, all in one compiled program."""
     hidden, kv = forward(params, config, batch.tokens, kv, batch.meta, block_size=block_size,
-                         attention_fn=attention_fn)
+                         attention_fn=attention_fn, unroll_layers=unroll_layers)
     last = jnp.take_along_axis(hidden, batch.last_index[:, None, None], axis=1)[:, 0]
     logits = lm_head(params, config, last)  # [B, V]
     if is_prefill:

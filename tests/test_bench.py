@@ -276,3 +276,17 @@ def test_plot_draws_a_png(tmp_path: Path) -> None:
                 tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
+
+
+def test_step_cost_counts_every_layer_not_one_loop_body() -> None:
+    """XLA's cost analysis counts a loop body once; the roofline lowers the step with
+    its layer scan unrolled, so a 2-layer model costs about twice one layer."""
+    from jaxinfer import LLM
+    from jaxinfer.bench.roofline import decode_shape, step_cost
+
+    runner = LLM(TINY, max_model_len=32, block_size=16, kv_cache_memory=131072).runner
+    shape = decode_shape(runner, 1, 16)
+    args, kwargs = runner.example_step_args(shape["batch"], 1, shape["width"], is_prefill=False)
+    looped = runner._step.lower(*args, **kwargs).compile().cost_analysis()
+    looped = looped[0] if isinstance(looped, list) else looped
+    assert step_cost(runner, shape, False)["flops"] > 1.5 * looped["flops"]

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.model.transformer import init_kv_cache
 from jaxinfer.runner import MIN_CONTEXT_BLOCKS, MIN_PREFILL_BUCKET, ModelRunner, next_power_of_two
-from jaxinfer.sampling import make_sampling_arrays
 
 BANDWIDTH_ELEMENTS = 1 << 26  # 256 MiB of f32: far past any cache
 MATMUL_SIZE = {"cpu": 2048}  # other backends: 8192
@@ -71,21 +71,17 @@ def decode_shape(runner: ModelRunner, batch: int, context: int) -> dict[str, int
     return {"batch": next_power_of_two(batch, 1), "length": 1, "width": width, "calls": 1}
 
 
-def example_step_args(runner: ModelRunner, batch: int, length: int, width: int,
-                      is_prefill: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """(args, kwargs) of one all-padding call of the runner's jitted step, as
-    `ModelRunner._warm` builds them."""
-    step_batch = runner._batch([], batch, length, is_prefill, width=width)
-    sampling = make_sampling_arrays([], [], [], batch)
-    args = (runner.params, runner.kv, runner.penalties, step_batch, sampling)
-    return args, {"num_top_logprobs": 0, "prompt_logprobs": False, "is_prefill": is_prefill}
-
-
 def step_cost(runner: ModelRunner, shape: dict[str, int], is_prefill: bool) -> dict[str, float]:
-    """FLOPs and bytes accessed of one compiled step call (XLA's cost analysis)."""
-    args, kwargs = example_step_args(runner, shape["batch"], shape["length"], shape["width"],
-                                     is_prefill)
-    compiled = runner._step.lower(*args, **kwargs).compile()
+    """FLOPs and bytes accessed of one step call: XLA's cost analysis of the step with
+    its layer loop unrolled (a loop body would be counted once), lowered over a KV pool
+    of just the blocks the call reads: the analysis charges an in-place K/V write with
+    the whole pool, which the real update never touches."""
+    args, kwargs = runner.example_step_args(shape["batch"], shape["length"], shape["width"],
+                                            is_prefill=is_prefill)
+    rows = shape["batch"] * shape["width"] * runner.cache.block_size
+    small_pool = init_kv_cache(runner.config, rows, runner.dtype, runner.cache.kv_cache_dtype)
+    args = (args[0], small_pool, *args[2:])
+    compiled = runner.cost_analysis_step().lower(*args, **kwargs).compile()
     cost = compiled.cost_analysis()
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else {}

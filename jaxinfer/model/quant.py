@@ -15,16 +15,19 @@ pytree (leading axes: the stacked layer axis):
 Which matmul form runs is chosen per call from the static number of activation
 rows (see shared CPU notes, measured on XLA CPU):
 - weight-only (the default): the int8->f32 convert (and scale, or int4 unpack) is an
-  elementwise producer of the dot. Below `W8A8_MIN_ROWS` rows (decode) XLA fuses it
-  into the matrix-vector product: the weight is read once, compact. With more rows
-  XLA on CPU converts one layer's matrix at a time inside the layer scan (a few MB,
+  elementwise producer of the dot. For one row (batch-1 decode) XLA fuses it into
+  the matrix-vector product: the weight is read once, compact. Up to
+  `ROW_LOOP_MAX_ROWS` rows run as that many fused products; with more rows XLA on
+  CPU converts one layer's matrix at a time inside the layer scan (a few MB,
   amortized over the rows: as fast as f32 at 512 rows, 2x slower at 8-32).
-- `w8a8=True`, from `W8A8_MIN_ROWS` rows: activations are quantized per row and
-  per group of `act_group` inputs (0: whole rows) and the dot runs int8 x int8 ->
-  int32, one partial dot per group: 3-5x faster than f32 on this CPU at any batch,
-  at a cost in accuracy (Gemma's MLP activations have outlier channels; groups of
-  128 halve the logit error of whole rows). The LM head keeps whole rows, where
-  groups would cost 3x and gain nothing.
+- `w8a8=True`, from `W8A8_MIN_ROWS` rows: activations are quantized per row (and
+  per weight group, for grouped weights) and the dot runs int8 x int8 -> int32: 3-5x
+  faster than f32 on this CPU from two rows up, at a cost in accuracy (Gemma's MLP
+  activations have outlier channels). Finer activation groups (128 inputs) halved
+  the logit error but made 1k-token prefill 4x slower than f32 on XLA CPU (one
+  partial dot per group), so rows stay whole. The LM head always takes this path:
+  converting its 262k x 640 weight per step would cost 10x, and its input (the
+  final normed hidden state) quantizes per row with little loss.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-W8A8_MIN_ROWS = 8  # from this many activation rows, int8 weights use the int8 x int8 dot
+W8A8_MIN_ROWS = 2  # from this many activation rows, w8a8 weights use the int8 x int8 dot
+ROW_LOOP_MAX_ROWS = 3  # weight-only: up to this many rows, one fused product per row
 
 
 @struct.dataclass
@@ -45,7 +49,6 @@ class QuantizedWeight:
     bits: int = struct.field(pytree_node=False, default=8)
     group_size: int = struct.field(pytree_node=False, default=0)
     w8a8: bool = struct.field(pytree_node=False, default=False)  # int8 activations at batch
-    act_group: int = struct.field(pytree_node=False, default=0)  # their groups (0: rows)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -121,6 +124,8 @@ def _weight_only(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
     CPU, while `einsum("rk,nk->rn", x, w.astype(f32))` materializes the f32 weight
     (tests/test_quant.py checks the compiled temporaries).
     """
+    if 1 < x.shape[0] <= ROW_LOOP_MAX_ROWS:
+        return jnp.concatenate([_weight_only(row[None], weight) for row in x], axis=0)
     if weight.bits == 8 and weight.num_groups == 1:
         return (x @ weight.values.T.astype(jnp.float32)) * weight.scales[:, 0]
     w = dequantize(QuantizedWeight(weight.values, weight.scales, weight.offsets, None,
@@ -136,21 +141,17 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _w8a8(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
-    """int8 x int8 -> int32 dots, one per group of inputs, with per-row activation scales.
-
-    The input is split into groups of `act_group` (activation scales) or `group_size`
-    (weight scales), whichever is finer; per-channel weights with whole-row activations
-    take one dot.
-    """
+    """int8 x int8 -> int32 dot(s) with per-row activation scales (one partial dot per
+    weight group for grouped weights)."""
     rows, n_in = x.shape
-    group = min(weight.act_group or n_in, weight.group_size or n_in)
-    groups = n_in // group
-    xq, x_scale = quantize_rows(x.reshape(rows, groups, group))  # [rows, G, g], [rows, G, 1]
-    w_groups = weight.values.reshape(weight.values.shape[0], groups, group)  # [out, G, g]
+    groups = weight.num_groups
+    xq, x_scale = quantize_rows(x.reshape(rows, groups, n_in // groups))  # [rows, G, g]
+    if groups == 1:
+        acc = jax.lax.dot_general(xq[:, 0], weight.values, (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.int32)  # [rows, out]
+        return acc.astype(jnp.float32) * x_scale[:, 0] * weight.scales[:, 0]
+    w_groups = weight.values.reshape(weight.values.shape[0], groups, -1)  # [out, G, g]
     acc = jax.lax.dot_general(xq, w_groups, (((2,), (2,)), ((1,), (1,))),
                               preferred_element_type=jnp.int32)  # [G, rows, out]
-    w_scale = jnp.repeat(weight.scales, groups // weight.num_groups, axis=-1)  # [out, G]
-    if groups == 1:
-        return acc[0].astype(jnp.float32) * x_scale[:, 0] * w_scale[:, 0]
     scaled = acc.astype(jnp.float32) * jnp.transpose(x_scale, (1, 0, 2))
-    return jnp.einsum("grn,ng->rn", scaled, w_scale)
+    return jnp.einsum("grn,ng->rn", scaled, weight.scales)

@@ -118,9 +118,15 @@ def forward(
     *,
     block_size: int,
     attention_fn: AttentionFn = paged_attention_reference,
+    unroll_layers: bool = False,
 ) -> tuple[jax.Array, KVCache]:
-    """Run all layers; writes the new K/V into the pool. Returns hidden [B, T, d_model]."""
-    h, kv, _ = _run_layers(params, config, tokens, kv, meta, block_size, attention_fn, False)
+    """Run all layers; writes the new K/V into the pool. Returns hidden [B, T, d_model].
+
+    `unroll_layers` unrolls the layer scan: for XLA's cost analysis, which counts a
+    loop body once whatever its trip count.
+    """
+    h, kv, _ = _run_layers(params, config, tokens, kv, meta, block_size, attention_fn, False,
+                           unroll_layers)
     return h, kv
 
 
@@ -133,6 +139,7 @@ def _run_layers(
     block_size: int,
     attention_fn: AttentionFn,
     record_inputs: bool,
+    unroll: bool = False,
 ) -> tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     """The layer scan; with `record_inputs`, also each layer's matmul inputs."""
     h = embed_tokens(params, config, tokens)
@@ -151,7 +158,7 @@ def _run_layers(
         return (h, kv), taps
 
     xs = (params["layers"], jnp.arange(config.num_layers), is_local, windows)
-    (h, kv), taps = jax.lax.scan(body, (h, kv), xs)
+    (h, kv), taps = jax.lax.scan(body, (h, kv), xs, unroll=config.num_layers if unroll else 1)
     return h, kv, taps
 
 

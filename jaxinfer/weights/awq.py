@@ -66,7 +66,7 @@ def quantize_awq(
     """Float params -> AWQ int4 layers (embedding / LM head int8 per channel)."""
     tokens = calibration_tokens(tokenizer, config, seed=seed)
     inputs = _calibration_inputs(params, config, tokens, seed)
-    out = {name: quantize_int8(w) if name in ("embed", "lm_head") else w
+    out = {name: quantize_int8(w).replace(w8a8=True) if name in ("embed", "lm_head") else w
            for name, w in params.items() if name != "layers"}
     layers = dict(params["layers"])
     for name in LAYER_MATRICES:

@@ -78,7 +78,7 @@ def _saveable(params: Params) -> tuple[Params, dict[str, dict[str, Any]]]:
             elif isinstance(value, QuantizedWeight):
                 fields = [f for f in QUANT_FIELDS if getattr(value, f) is not None]
                 layouts[prefix + name] = {"bits": value.bits, "group_size": value.group_size,
-                                          "w8a8": value.w8a8, "act_group": value.act_group,
+                                          "w8a8": value.w8a8,
                                           "fields": fields}
                 out[name] = {f: getattr(value, f) for f in fields}
             else:
@@ -99,7 +99,7 @@ def _rebuild(tree: Params, layouts: dict[str, dict[str, Any]]) -> Params:
         node[name] = QuantizedWeight(
             **{f: arrays.get(f) for f in QUANT_FIELDS},
             bits=layout["bits"], group_size=layout["group_size"],
-            w8a8=layout.get("w8a8", False), act_group=layout.get("act_group", 0),
+            w8a8=layout.get("w8a8", False),
         )
     return tree
 

@@ -3,9 +3,11 @@
 Methods (`quantization=`):
 - `none`: keep the float weights.
 - `int8`: symmetric int8, one scale per output channel, every matrix including the
-  embedding / LM head; weight-only.
-- `w8a8`: the same weights, and batched steps (8+ rows) quantize activations to int8
-  too and run int8 x int8 dots (the fastest form on CPU; less accurate).
+  embedding / LM head; weight-only, except that the LM head quantizes its input per
+  row when it scores two or more rows (see quant.py).
+- `w8a8`: the same weights, and batched steps (2+ rows) quantize every matmul's
+  activations to int8 too and run int8 x int8 dots (the fastest form on CPU; less
+  accurate).
 - `int4`: asymmetric int4 in groups of `group_size` inputs (default 128), packed two
   per byte; the embedding / LM head is int8 per channel (as llama.cpp's Q4_K_M keeps
   it at 8 bits): at Gemma's 262k vocabulary it is the most sensitive matrix.
@@ -30,7 +32,6 @@ from jaxinfer.model.quant import QuantizedWeight
 QUANTIZATIONS = ("none", "int8", "w8a8", "int4", "int4-awq")
 INT8_METHODS = ("int8", "w8a8")
 DEFAULT_GROUP_SIZE = 128
-ACT_GROUP = 128  # activation quantization groups of layer matrices on the W8A8 path
 LAYER_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOP_MATRICES = ("embed", "lm_head")
 
@@ -133,12 +134,13 @@ def matrix_quantizer(method: str, group_size: int = DEFAULT_GROUP_SIZE) -> Quant
 
     def quantize(name: str, w: np.ndarray | EncodedMatrix) -> Any:
         encoded = isinstance(w, EncodedMatrix)
-        if name in TOP_MATRICES or (name in LAYER_MATRICES and method in INT8_METHODS):
+        if name in TOP_MATRICES:  # batched steps quantize its activations (quant.py)
+            weight = w.quantize_int8() if encoded else quantize_int8(w)
+            return weight.replace(w8a8=True)
+        if name in LAYER_MATRICES and method in INT8_METHODS:
             weight = w.quantize_int8() if encoded else quantize_int8(w)
             if method == "w8a8":
-                act_group = ACT_GROUP if name in LAYER_MATRICES else 0
-                weight = weight.replace(w8a8=True, act_group=fitting_group(w.shape[-1],
-                                                                           act_group))
+                weight = weight.replace(w8a8=True)
             return weight
         if name in LAYER_MATRICES:
             group = fitting_group(w.shape[-1], group_size)
