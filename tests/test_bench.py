@@ -267,7 +267,6 @@ def test_serve_cli_in_process_over_grpc(tmp_path: Path) -> None:
 
 
 def test_plot_draws_a_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     from jaxinfer.bench.plot import plot_report
 
     run = {"concurrency": 1, "output_tokens_per_s": 5.0,
