@@ -298,7 +298,7 @@ def _add_perplexity(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stride", type=int, default=None,
                         help="tokens scored per window after the first (default: max-len / 2)")
     parser.add_argument("--all-settings", action="store_true",
-                        help="baseline, int8 KV cache, int8, int4 and int4-awq weights in turn")
+                        help="baseline, int8 KV cache, int8, w8a8, int4 and int4-awq in turn")
     parser.add_argument("--compare", choices=["llama-cpp"], default=None,
                         help="also score the same token ids with llama.cpp (GGUF models)")
     _add_engine_flags(parser)
@@ -308,6 +308,7 @@ def _add_perplexity(parser: argparse.ArgumentParser) -> None:
 
 def run_perplexity(args: argparse.Namespace) -> int:
     from jaxinfer import evaluate
+    from jaxinfer.bench.report import write_json
 
     engine = engine_config_from_args(args, max_model_len=args.max_len + 1, max_num_seqs=4)
     if args.all_settings and (args.quantization != "none" or args.kv_cache_dtype is not None):
@@ -331,7 +332,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
             status = 1
     print(evaluate.format_table(rows, task))
     if args.json:
-        evaluate.write_json(args.json, evaluate.report_json(rows, task))
+        write_json(evaluate.report_json(rows, task), Path(args.json))
     return status
 
 

@@ -24,7 +24,6 @@ Python standard-library docstrings, which are not used here.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import math
 import multiprocessing
 import os
@@ -230,29 +229,13 @@ def text_encoder(loaded: LoadedModel) -> TextEncoder:
 # --------------------------------------------------------------------------- llama.cpp
 
 
-def gguf_path(model: str | Path) -> Path:
-    """The GGUF file behind `model` (a .gguf path or a preset that ships one)."""
-    from jaxinfer.weights import load_preset, resolve_source
-
-    path = Path(model)
-    if not path.exists():
-        source = load_preset(str(model)).source
-        path = resolve_source(source) if source else path
-    if not (path.is_file() and path.suffix == ".gguf"):
-        raise ConfigError(f"--compare llama-cpp needs a GGUF model, got {model!r}")
-    return path
-
-
 def llama_cpp_perplexities(model_path: Path, sequences: Sequence[Sequence[int]], *,
                            max_len: int = DEFAULT_MAX_LEN, stride: int | None = None,
                            ) -> list[PerplexityResult]:
     """Perplexity of the same token ids under llama.cpp, on the same windows."""
-    try:
-        from llama_cpp import Llama
-    except ImportError as exc:
-        raise ModelLoadError("--compare llama-cpp needs llama-cpp-python: "
-                             "pip install llama-cpp-python") from exc
-    llm = Llama(str(model_path), logits_all=True, n_ctx=max_len, n_batch=max_len,
+    from jaxinfer.bench.llama_cpp_peer import import_llama_cpp
+
+    llm = import_llama_cpp().Llama(str(model_path), logits_all=True, n_ctx=max_len, n_batch=max_len,
                 n_threads=os.cpu_count(), verbose=False)
     try:
         return _score_windows(sequences, max_len, stride,
@@ -377,7 +360,9 @@ def score_settings(settings: Sequence[Setting], load: Callable[[str], LoadedMode
 def score_llama_cpp(task: EvalTask, model: str | Path) -> Row:
     """The same token ids and windows under llama.cpp, in a child process: a crash in
     the native library is reported as an error instead of ending this process."""
-    path = gguf_path(model)
+    from jaxinfer.bench.llama_cpp_peer import default_gguf
+
+    path = default_gguf(str(model))
     start = time.perf_counter()
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
@@ -422,6 +407,3 @@ def report_json(rows: Sequence[Row], task: EvalTask) -> dict[str, object]:
         } for r in rows],
     }
 
-
-def write_json(path: str | Path, report: dict[str, object]) -> None:
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")

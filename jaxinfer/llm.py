@@ -20,6 +20,7 @@ from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.weights import DEFAULT_MODEL, LoadedModel, load_model
+from jaxinfer.weights.quantize import DEFAULT_GROUP_SIZE
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -37,7 +38,7 @@ class LLM:
         dtype: str = "float32",
         load_format: str = "auto",
         quantization: str = "none",
-        quant_group_size: int = 128,
+        quant_group_size: int = DEFAULT_GROUP_SIZE,
         engine_config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
         **engine_settings: object,

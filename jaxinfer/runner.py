@@ -246,9 +246,12 @@ class ModelRunner:
         the longest chunk; attention reads a power-of-two bucket of the longest
         context (like decode), so shapes are (rows, chunk, context) buckets.
         """
-        length = max(len(r.token_ids) for r in rows)
-        bucket = min(next_power_of_two(length, MIN_PREFILL_BUCKET), self._max_tokens_bucket())
+        bucket = self.prefill_bucket(max(len(r.token_ids) for r in rows))
         return self._dispatch(rows, bucket, is_prefill=True)
+
+    def prefill_bucket(self, length: int) -> int:
+        """The padded length of a call whose longest chunk has `length` tokens."""
+        return min(next_power_of_two(length, MIN_PREFILL_BUCKET), self._max_tokens_bucket())
 
     def record_history(self, slot: int, token_ids: Sequence[int], prompt_len: int) -> None:
         """Start `slot`'s penalty statistics from tokens whose K/V are already cached
@@ -292,7 +295,7 @@ class ModelRunner:
 
     def prefill_widths(self, length: int) -> list[int]:
         """Block-table widths of a `length`-token chunk: its context is at least as long."""
-        least = self._context_blocks(length)
+        least = self.context_width(length)
         return [w for w in self.decode_widths() if w >= least]
 
     def decode_widths(self) -> list[int]:
@@ -353,7 +356,7 @@ class ModelRunner:
         for i, row in enumerate(rows):
             _fill_row(arrays, i, row, bs)
         if width is None:  # attention reads only a bucket of the longest context
-            width = self._context_blocks(int(arrays["context"].max()))
+            width = self.context_width(int(arrays["context"].max()))
         tables = np.zeros((b, width), np.int32)  # padding entries read block 0, masked
         for i, row in enumerate(rows):
             used = min(len(row.block_table), width)
@@ -366,7 +369,7 @@ class ModelRunner:
             is_output=arrays["is_output"], emit=arrays["emit"], targets=arrays["targets"],
         )
 
-    def _context_blocks(self, max_context: int) -> int:
+    def context_width(self, max_context: int) -> int:
         """Block-table width: a power-of-two bucket of the longest context."""
         needed = math.ceil(max_context / self.cache.block_size)
         return min(next_power_of_two(needed, MIN_CONTEXT_BLOCKS), self.cache.max_blocks_per_seq)

@@ -196,6 +196,15 @@ def test_quantized_checkpoint_round_trip(tmp_path: Path) -> None:
         load_model(tmp_path / "ckpt", quantization="int8")
 
 
+def test_a_float_checkpoint_converts_at_load(tmp_path: Path, tiny_float) -> None:
+    save_checkpoint(tmp_path / "ckpt", tiny_float.config, tiny_float.params)
+    for method in ("int8", "int4-awq"):
+        model = load_model(tmp_path / "ckpt", quantization=method)
+        assert model.quantization == method
+        assert isinstance(model.params["layers"]["q_proj"], QuantizedWeight)
+        assert model.params["layers"]["q_proj"].bits == (8 if method == "int8" else 4)
+
+
 def test_engine_generates_identically_from_a_restored_int8_checkpoint(tmp_path: Path) -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0)
     prompts = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12, 14, 16, 18]]

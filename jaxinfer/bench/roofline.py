@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.model.transformer import init_kv_cache
-from jaxinfer.runner import MIN_CONTEXT_BLOCKS, MIN_PREFILL_BUCKET, ModelRunner, next_power_of_two
+from jaxinfer.runner import ModelRunner, next_power_of_two
 
 BANDWIDTH_ELEMENTS = 1 << 26  # 256 MiB of f32: far past any cache
 MATMUL_SIZE = {"cpu": 2048}  # other backends: 8192
@@ -57,18 +57,15 @@ def measure_peaks(dtype: Any = jnp.float32) -> dict[str, Any]:
 def prefill_shape(runner: ModelRunner, prompt_len: int, budget: int) -> dict[str, int]:
     """The padded prefill call(s) of one `prompt_len` prompt, chunked by `budget` tokens."""
     chunk = min(prompt_len, budget)
-    length = min(next_power_of_two(chunk, MIN_PREFILL_BUCKET),
-                 runner.cache.max_blocks_per_seq * runner.cache.block_size)
-    blocks = math.ceil(prompt_len / runner.cache.block_size)  # the last chunk's context
-    width = min(next_power_of_two(blocks, MIN_CONTEXT_BLOCKS), runner.cache.max_blocks_per_seq)
-    return {"batch": 1, "length": length, "width": width, "calls": math.ceil(prompt_len / chunk)}
+    return {"batch": 1, "length": runner.prefill_bucket(chunk),
+            "width": runner.context_width(prompt_len),  # the last chunk's context
+            "calls": math.ceil(prompt_len / chunk)}
 
 
 def decode_shape(runner: ModelRunner, batch: int, context: int) -> dict[str, int]:
     """The padded decode call of `batch` sequences whose longest context is `context`."""
-    blocks = math.ceil(context / runner.cache.block_size)
-    width = min(next_power_of_two(blocks, MIN_CONTEXT_BLOCKS), runner.cache.max_blocks_per_seq)
-    return {"batch": next_power_of_two(batch, 1), "length": 1, "width": width, "calls": 1}
+    return {"batch": next_power_of_two(batch, 1), "length": 1,
+            "width": runner.context_width(context), "calls": 1}
 
 
 def step_cost(runner: ModelRunner, shape: dict[str, int], is_prefill: bool) -> dict[str, float]:

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxinfer.ops.attention import quantize_int8  # per-vector int8, as the KV cache uses
+
 W8A8_MIN_ROWS = 2  # from this many activation rows, w8a8 weights use the int8 x int8 dot
 ROW_LOOP_MAX_ROWS = 3  # weight-only: up to this many rows, one fused product per row
 
@@ -60,18 +62,6 @@ class QuantizedWeight:
     def num_groups(self) -> int:
         return self.scales.shape[-1]
 
-    @property
-    def nbytes(self) -> int:
-        parts = (self.values, self.scales, self.offsets, self.act_scale)
-        return sum(int(p.size) * p.dtype.itemsize for p in parts if p is not None)
-
-    @property
-    def kind(self) -> str:
-        return f"int{self.bits}" + ("" if self.num_groups == 1 else f"-g{self.group_size}")
-
-
-def is_quantized(weight: object) -> bool:
-    return isinstance(weight, QuantizedWeight)
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
@@ -128,16 +118,7 @@ def _weight_only(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
         return jnp.concatenate([_weight_only(row[None], weight) for row in x], axis=0)
     if weight.bits == 8 and weight.num_groups == 1:
         return (x @ weight.values.T.astype(jnp.float32)) * weight.scales[:, 0]
-    w = dequantize(QuantizedWeight(weight.values, weight.scales, weight.offsets, None,
-                                   weight.bits, weight.group_size))
-    return x @ w.T
-
-
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric per-row int8: x [rows, k] -> (int8 [rows, k], f32 scale [rows, 1])."""
-    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
-    scale = jnp.where(scale == 0, 1.0, scale)
-    return jnp.round(x / scale).astype(jnp.int8), scale
+    return x @ dequantize(weight.replace(act_scale=None)).T  # x was scaled by the caller
 
 
 def _w8a8(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
@@ -145,7 +126,8 @@ def _w8a8(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
     weight group for grouped weights)."""
     rows, n_in = x.shape
     groups = weight.num_groups
-    xq, x_scale = quantize_rows(x.reshape(rows, groups, n_in // groups))  # [rows, G, g]
+    xq, x_scale = quantize_int8(x.reshape(rows, groups, n_in // groups))  # [rows, G, g]
+    x_scale = x_scale[..., None]  # [rows, G, 1]
     if groups == 1:
         acc = jax.lax.dot_general(xq[:, 0], weight.values, (((1,), (1,)), ((), ())),
                                   preferred_element_type=jnp.int32)  # [rows, out]

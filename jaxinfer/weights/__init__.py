@@ -121,24 +121,24 @@ def load_model(
         loaded = _load_dummy(source, np_dtype, quantizer)
     else:
         loaded = _load_real(source, np_dtype, quantizer)
-    loaded.quantization = _stored_quantization(loaded, quantization)
-    if quantization == "int4-awq" and loaded.kind != "checkpoint":
-        loaded.params = awq.quantize_awq(loaded.params, loaded.config, loaded.tokenizer,
-                                         quant_group_size)
+    if loaded.quantization != "none":  # a checkpoint saved quantized loads as it was saved
+        _check_stored_quantization(loaded, quantization)
+    else:
+        if quantization == "int4-awq":
+            loaded.params = awq.quantize_awq(loaded.params, loaded.config, loaded.tokenizer,
+                                             quant_group_size)
+        loaded.quantization = quantization
     loaded.load_seconds = time.perf_counter() - start
     return loaded
 
 
-def _stored_quantization(loaded: LoadedModel, requested: str) -> str:
-    """The checkpoint's own quantization wins; asking for another one is an error."""
-    if loaded.kind != "checkpoint" or loaded.quantization == "none":
-        return requested
+def _check_stored_quantization(loaded: LoadedModel, requested: str) -> None:
+    """Asking a quantized checkpoint for another quantization is an error."""
     if requested not in ("none", loaded.quantization):
         raise ConfigError(
             f"{loaded.source} was saved with quantization {loaded.quantization}; "
             f"convert again from the original weights to get {requested}"
         )
-    return loaded.quantization
 
 
 def _load_real(source: str | Path, dtype: Any, quantizer: Quantizer | None) -> LoadedModel:
@@ -158,6 +158,8 @@ def _load_real(source: str | Path, dtype: Any, quantizer: Quantizer | None) -> L
     if orbax_ckpt.is_checkpoint(path):
         config, params, stored = orbax_ckpt.load_checkpoint(path, dtype)
         tokenizer = Tokenizer.load(path) if (path / TOKENIZER_META).is_file() else None
+        if stored == "none" and quantizer is not None:  # a float checkpoint converts too
+            params = quantize_params(params, quantizer)
         return LoadedModel(config, params, tokenizer, str(source), "checkpoint", 0.0,
                            quantization=stored)
     if (path / "config.json").is_file():

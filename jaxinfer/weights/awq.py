@@ -29,8 +29,8 @@ from jaxinfer.weights.quantize import (
     DEFAULT_GROUP_SIZE,
     LAYER_MATRICES,
     fitting_group,
+    matrix_quantizer,
     quantize_int4,
-    quantize_int8,
 )
 
 CALIBRATION_MODULES = ("argparse", "asyncio", "collections", "csv", "datetime", "decimal",
@@ -66,8 +66,8 @@ def quantize_awq(
     """Float params -> AWQ int4 layers (embedding / LM head int8 per channel)."""
     tokens = calibration_tokens(tokenizer, config, seed=seed)
     inputs = _calibration_inputs(params, config, tokens, seed)
-    out = {name: quantize_int8(w).replace(w8a8=True) if name in ("embed", "lm_head") else w
-           for name, w in params.items() if name != "layers"}
+    plain = matrix_quantizer("int4", group_size)  # embedding / LM head: int8; vectors as is
+    out = {name: plain(name, w) for name, w in params.items() if name != "layers"}
     layers = dict(params["layers"])
     for name in LAYER_MATRICES:
         w = np.asarray(layers[name], np.float32)

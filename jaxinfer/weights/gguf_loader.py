@@ -200,12 +200,13 @@ def _load_tensor(
 ) -> Any:
     """One tensor in its params form: a `dtype` array or the quantizer's output."""
     if can_decode(tensor) and not target.endswith("norm"):
-        matrix = _undo_conventions(GGUFMatrix.from_tensor(tensor), target, config, permute_qk)
-        weight = matrix.dequantize(dtype) if quantizer is None else quantizer(target, matrix)
+        weight = _undo_conventions(GGUFMatrix.from_tensor(tensor), target, config, permute_qk)
     else:
         weight = _undo_conventions(_dequantize(tensor), target, config, permute_qk)
-        weight = weight.astype(dtype, copy=False)
-        weight = weight if quantizer is None else quantizer(target, weight)
+    if quantizer is not None:
+        weight = quantizer(target, weight)
+    elif isinstance(weight, GGUFMatrix):
+        weight = weight.dequantize(dtype)
     return weight.astype(dtype, copy=False) if isinstance(weight, np.ndarray) else weight
 
 

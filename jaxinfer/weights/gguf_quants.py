@@ -17,8 +17,7 @@ to gguf's f32):
 A `GGUFMatrix` wraps one tensor's memory-mapped bytes (and an optional row order, for
 llama.cpp's Q/K permutation) and converts itself to our formats chunk by chunk, so
 the only f32 ever built is one chunk (`CHUNK_ELEMENTS` values):
-- `quantize_int8()`: int8 per output channel; each row's max |w| comes from its
-  blocks' integer extremes and scales, then the chunk is requantized.
+- `quantize_int8()`: int8 per output channel, a chunk of rows at a time.
 - `quantize_int4(group)`: asymmetric int4 in groups along the input axis.
 - `dequantize(dtype)`: the float matrix, written chunk by chunk into its final dtype.
 Rows are independent in every format, so the result does not depend on the chunking
@@ -35,7 +34,7 @@ import numpy as np
 
 from jaxinfer.gguf_file import GGUFTensor
 from jaxinfer.model.quant import QuantizedWeight
-from jaxinfer.weights.quantize import quantize_int4
+from jaxinfer.weights.quantize import quantize_int4, quantize_int8
 
 QType = gguf.GGMLQuantizationType
 CHUNK_ELEMENTS = 1 << 22  # f32 values decoded at a time (16 MiB)
@@ -63,16 +62,6 @@ class Blocks:
         if self.offset is not None:
             w += self.offset[..., None]
         return w.reshape(rows, n)
-
-    def row_absmax(self) -> np.ndarray:
-        """f32 [rows]: max |w| per row, from each block's extreme integers (w is monotone
-        in q within a block, so its largest |w| sits at the smallest or largest q)."""
-        rows = self.q.shape[0]
-        grouped = self.q.reshape(rows, -1, self.block)
-        ends = [grouped.min(axis=-1).astype(np.float32), grouped.max(axis=-1).astype(np.float32)]
-        ends = [e * self.scale if self.offset is None else e * self.scale + self.offset
-                for e in ends]
-        return np.maximum(np.abs(ends[0]), np.abs(ends[1])).max(axis=-1)
 
 
 def _blocks(raw: np.ndarray, qtype: QType) -> np.ndarray:
@@ -195,16 +184,12 @@ class GGUFMatrix:
         return out
 
     def quantize_int8(self) -> QuantizedWeight:
-        """Symmetric int8, one scale per output row (`quantize.quantize_int8`'s rule)."""
+        """Symmetric int8, one scale per output row (`quantize.quantize_int8`)."""
         values = np.empty(self.shape, np.int8)  # [out, in]
         scales = np.empty((self.shape[0], 1), np.float32)  # [out, 1]
         for rows, blocks in self.chunks():
-            scale = blocks.row_absmax()[:, None] / 127.0
-            scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-            w = blocks.dequantize()
-            w /= scale
-            values[rows] = np.clip(np.rint(w, out=w), -127, 127, out=w)
-            scales[rows] = scale
+            part = quantize_int8(blocks.dequantize())
+            values[rows], scales[rows] = part.values, part.scales
         return QuantizedWeight(values=values, scales=scales, bits=8, group_size=self.shape[1])
 
     def quantize_int4(self, group_size: int) -> QuantizedWeight:

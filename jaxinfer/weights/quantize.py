@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 
 from jaxinfer.errors import ConfigError
@@ -134,14 +135,10 @@ def matrix_quantizer(method: str, group_size: int = DEFAULT_GROUP_SIZE) -> Quant
 
     def quantize(name: str, w: np.ndarray | EncodedMatrix) -> Any:
         encoded = isinstance(w, EncodedMatrix)
-        if name in TOP_MATRICES:  # batched steps quantize its activations (quant.py)
+        if name in TOP_MATRICES or (name in LAYER_MATRICES and method in INT8_METHODS):
             weight = w.quantize_int8() if encoded else quantize_int8(w)
-            return weight.replace(w8a8=True)
-        if name in LAYER_MATRICES and method in INT8_METHODS:
-            weight = w.quantize_int8() if encoded else quantize_int8(w)
-            if method == "w8a8":
-                weight = weight.replace(w8a8=True)
-            return weight
+            # the LM head quantizes its activations in batched steps (quant.py)
+            return weight.replace(w8a8=name in TOP_MATRICES or method == "w8a8")
         if name in LAYER_MATRICES:
             group = fitting_group(w.shape[-1], group_size)
             return w.quantize_int4(group) if encoded else quantize_int4(w, group)
@@ -170,9 +167,4 @@ def quantize_params(params: dict[str, Any], quantizer: Quantizer) -> dict[str, A
 
 def params_nbytes(params: dict[str, Any]) -> int:
     """Bytes of every array in the params pytree, quantized or not."""
-    total = 0
-    for value in [*params.values(), *params.get("layers", {}).values()]:
-        if isinstance(value, dict):
-            continue
-        total += value.nbytes if isinstance(value, QuantizedWeight) else np.asarray(value).nbytes
-    return total
+    return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(params))
