@@ -51,11 +51,11 @@ from jaxinfer.model.transformer import (
 )
 from jaxinfer.ops.attention import (
     AttentionFn,
-    AttentionMetadata,
     check_attention_impl,
     check_kv_cache_dtype,
     get_attention_fn,
 )
+from jaxinfer.ops.types import AttentionMetadata
 from jaxinfer.sampling import (
     MAX_LOGPROBS,
     SampleOutput,

@@ -62,7 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import AttentionMetadata, check_kv_scales, paged_attention_reference
+from pallas_kernels.reference import check_kv_scales, paged_attention_reference
 
 reference = paged_attention_reference
 
@@ -94,7 +94,9 @@ def flash_prefill_attention(
     k_pool: jax.Array,  # [L, rows, KV, hd]
     v_pool: jax.Array,  # [L, rows, KV, hd]
     layer: jax.Array,  # scalar int32: which layer's pool to read
-    meta: AttentionMetadata,
+    positions: jax.Array,  # [B, T] int32, absolute position of each query token
+    block_tables: jax.Array,  # [B, max_blocks] int32, physical block of each logical block
+    context_lens: jax.Array,  # [B] int32, tokens in the cache after this step
     *,
     block_size: int,
     scale: float,
@@ -112,9 +114,10 @@ def flash_prefill_attention(
     scales = (k_scale, v_scale) if check_kv_scales(k_pool, v_pool, k_scale, v_scale) else ()
     kv_heads = k_pool.shape[2]
     tiling = _make_tiling(q.shape[1], q.shape[2] // kv_heads, q_tile)
-    q_len = _query_lens(meta)  # [B]
-    bounds = _kv_block_bounds(meta, q_len, window, block_size, tiling)  # [B, nt, 2]
-    row_pos = _row_positions(meta, q_len, tiling)  # [B, nt * M]
+    q_len = _query_lens(positions, context_lens)  # [B]
+    pos = _padded_positions(positions, q_len, tiling)  # [B, nt * q_tile]
+    bounds = _kv_block_bounds(pos, context_lens, window, block_size, tiling)  # [B, nt, 2]
+    row_pos = jnp.repeat(pos, tiling.groups_padded, axis=1)  # [B, nt * M]: Gp rows a token
     scalars = jnp.stack([jnp.asarray(layer), jnp.asarray(window)]).astype(jnp.int32)  # [2]
     kernel = functools.partial(_kernel, block_size=block_size, scale=scale, softcap=softcap,
                                quantized=bool(scales))
@@ -122,8 +125,8 @@ def flash_prefill_attention(
     out = call(
         scalars,
         bounds,
-        meta.context_lens.astype(jnp.int32),
-        meta.block_tables.astype(jnp.int32),
+        context_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
         row_pos,
         _group_queries(q, kv_heads, tiling),
         k_pool,
@@ -154,44 +157,38 @@ def _make_tiling(seq_len: int, groups: int, q_tile: int) -> _Tiling:
     return _Tiling(q_tile, groups, groups_padded, pl.cdiv(seq_len, q_tile))
 
 
-def _query_lens(meta: AttentionMetadata) -> jax.Array:
+def _query_lens(positions: jax.Array, context_lens: jax.Array) -> jax.Array:
     """[B] real query tokens per row: the chunk ends at context_len - 1."""
-    t = meta.positions.shape[1]
-    return jnp.clip(meta.context_lens - meta.positions[:, 0], 0, t).astype(jnp.int32)
+    t = positions.shape[1]
+    return jnp.clip(context_lens - positions[:, 0], 0, t).astype(jnp.int32)
 
 
-def _padded_positions(meta: AttentionMetadata, q_len: jax.Array, tiling: _Tiling):
+def _padded_positions(positions: jax.Array, q_len: jax.Array, tiling: _Tiling) -> jax.Array:
     """[B, nt * q_tile] positions of real slots, -1 for padding slots."""
-    t = meta.positions.shape[1]
-    pos = jnp.pad(meta.positions.astype(jnp.int32), ((0, 0), (0, tiling.padded_len - t)))
+    t = positions.shape[1]
+    pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, tiling.padded_len - t)))
     slot = jnp.arange(tiling.padded_len, dtype=jnp.int32)
     return jnp.where(slot[None, :] < q_len[:, None], pos, -1)
 
 
 def _kv_block_bounds(
-    meta: AttentionMetadata,
-    q_len: jax.Array,  # [B]
+    padded_positions: jax.Array,  # [B, nt * q_tile], -1 for padding slots
+    context_lens: jax.Array,  # [B]
     window: jax.Array | int,
     block_size: int,
     tiling: _Tiling,
 ) -> jax.Array:
     """[B, nt, 2] int32 (first, end) logical KV blocks each query tile needs."""
-    pos = _padded_positions(meta, q_len, tiling).reshape(-1, tiling.num_tiles, tiling.q_tile)
+    pos = padded_positions.reshape(-1, tiling.num_tiles, tiling.q_tile)
     real = pos >= 0
     any_real = jnp.any(real, axis=-1)  # [B, nt]
     first_q = jnp.min(jnp.where(real, pos, jnp.iinfo(jnp.int32).max), axis=-1)
     first_q = jnp.where(any_real, first_q, 0)  # [B, nt]
-    last_q = jnp.minimum(jnp.max(pos, axis=-1), meta.context_lens[:, None] - 1)
+    last_q = jnp.minimum(jnp.max(pos, axis=-1), context_lens[:, None] - 1)
     first = jnp.maximum(first_q - window + 1, 0) // block_size
     end = (last_q + block_size) // block_size  # one past the block of last_q
     end = jnp.where(any_real, jnp.maximum(end, first), first)  # padding tiles: no blocks
     return jnp.stack([first, end], axis=-1).astype(jnp.int32)
-
-
-def _row_positions(meta: AttentionMetadata, q_len: jax.Array, tiling: _Tiling) -> jax.Array:
-    """[B, nt * M] position of every tile row (each token repeated Gp times)."""
-    pos = _padded_positions(meta, q_len, tiling)  # [B, nt * q_tile]
-    return jnp.repeat(pos, tiling.groups_padded, axis=1)
 
 
 def _group_queries(q: jax.Array, kv_heads: int, tiling: _Tiling) -> jax.Array:

@@ -67,7 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import AttentionMetadata, check_kv_scales, paged_attention_reference
+from pallas_kernels.reference import check_kv_scales, paged_attention_reference
 
 reference = paged_attention_reference
 
@@ -82,7 +82,9 @@ def paged_decode_attention(
     k_pool: jax.Array,  # [L, rows, KV, hd]
     v_pool: jax.Array,  # [L, rows, KV, hd]
     layer: jax.Array,  # scalar int32: which layer's pool to read
-    meta: AttentionMetadata,
+    positions: jax.Array,  # [B, 1] int32, position of each query token
+    block_tables: jax.Array,  # [B, max_blocks] int32, physical block of each logical block
+    context_lens: jax.Array,  # [B] int32, tokens in the cache after this step (0: padding)
     *,
     block_size: int,
     scale: float,
@@ -97,9 +99,9 @@ def paged_decode_attention(
     """Decode attention over the paged KV pool -> [B, 1, H, hd] in q's dtype."""
     b, _, h, hd = q.shape
     kv_heads = k_pool.shape[2]
-    _check_shapes(q, k_pool, v_pool, meta, block_size)
+    _check_shapes(q, k_pool, v_pool, block_tables, context_lens, block_size)
     scales = (k_scale, v_scale) if check_kv_scales(k_pool, v_pool, k_scale, v_scale) else ()
-    max_blocks = meta.block_tables.shape[1]
+    max_blocks = block_tables.shape[1]
     splits = num_splits if num_splits is not None else choose_num_splits(
         max_blocks, blocks_per_split
     )
@@ -107,8 +109,9 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     qg = _group_queries(q, kv_heads)  # [B, KV, Gp, hd]
     acc, row_max, row_sum = _decode_partials(
-        qg, (k_pool, v_pool, *scales), layer, meta, window, block_size=block_size, scale=scale,
-        softcap=softcap, num_splits=splits, interpret=interpret,
+        qg, (k_pool, v_pool, *scales), layer, (positions, block_tables, context_lens), window,
+        block_size=block_size, scale=scale, softcap=softcap, num_splits=splits,
+        interpret=interpret,
     )
     out = combine_splits(acc, row_max, row_sum)  # [B, KV, Gp, hd] f32
     return out[:, :, : h // kv_heads].reshape(b, 1, h, hd).astype(q.dtype)
@@ -133,7 +136,8 @@ def combine_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> ja
 
 
 def _check_shapes(
-    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata, block_size: int
+    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array,
+    context_lens: jax.Array, block_size: int,
 ) -> None:
     """Static shape checks, with the field and the allowed values in the message."""
     b, t, h, hd = q.shape
@@ -146,8 +150,9 @@ def _check_shapes(
         raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({kv_heads})")
     if block_size < 1 or rows % block_size:
         raise ValueError(f"block_size ({block_size}) must divide the pool rows ({rows})")
-    if meta.block_tables.shape[0] != b or meta.context_lens.shape != (b,):
-        raise ValueError(f"meta: block_tables / context_lens must have {b} rows")
+    if block_tables.shape[0] != b or context_lens.shape != (b,):
+        raise ValueError(f"block_tables {block_tables.shape} / context_lens "
+                         f"{context_lens.shape} must have {b} rows (q's batch)")
 
 
 def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -163,7 +168,7 @@ def _decode_partials(
     qg: jax.Array,  # [B, KV, Gp, hd]
     pools: tuple[jax.Array, ...],  # k, v [L, rows, KV, hd]; int8: + k, v scales [L, rows, KV]
     layer: jax.Array,
-    meta: AttentionMetadata,
+    paging: tuple[jax.Array, jax.Array, jax.Array],  # positions, block_tables, context_lens
     window: jax.Array | int,
     *,
     block_size: int,
@@ -174,8 +179,9 @@ def _decode_partials(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Run the kernel -> per-split acc [B, KV, S, Gp, hd], m and l [B, KV, S, Gp] (f32)."""
     b, kv_heads, gp, hd = qg.shape
+    positions, block_tables, context_lens = paging
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
-    positions = meta.positions[:, 0].astype(jnp.int32)  # [B]
+    q_positions = positions[:, 0].astype(jnp.int32)  # [B]
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, scale=scale, softcap=softcap,
         num_splits=num_splits, precision=_dot_precision(qg.dtype), quantized=len(pools) == 4,
@@ -199,8 +205,8 @@ def _decode_partials(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="paged_decode_attention",
-    )(scalars, positions, meta.context_lens.astype(jnp.int32),
-      meta.block_tables.astype(jnp.int32), qg, *pools)
+    )(scalars, q_positions, context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+      qg, *pools)
 
 
 def _dot_precision(dtype: jnp.dtype) -> lax.Precision:

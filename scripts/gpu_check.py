@@ -24,14 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.ops.types import NO_WINDOW
 from pallas_kernels.flash_prefill import flash_prefill_attention
 from pallas_kernels.paged_decode import paged_decode_attention
-from pallas_kernels.reference import NO_WINDOW, AttentionMetadata, paged_attention_reference
+from pallas_kernels.reference import paged_attention_reference
 
 
 def paged_inputs(batch: int, q_len: int, context: int, heads: int, kv_heads: int, head_dim: int,
                  block_size: int, dtype: jnp.dtype, seed: int = 0):
-    """Random q, pools and metadata; each row's blocks are scattered over the pool."""
+    """Random q, pools and (positions, block_tables, context_lens); each row's blocks are
+    scattered over the pool."""
     rng = np.random.default_rng(seed)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 7
@@ -41,13 +43,9 @@ def paged_inputs(batch: int, q_len: int, context: int, heads: int, kv_heads: int
     v = jnp.asarray(rng.standard_normal(shape), dtype)
     q = jnp.asarray(rng.standard_normal((batch, q_len, heads, head_dim)), dtype)
     positions = np.arange(context - q_len, context, dtype=np.int32)[None].repeat(batch, 0)
-    meta = AttentionMetadata(
-        positions=jnp.asarray(positions),
-        slot_mapping=jnp.zeros((batch, q_len), jnp.int32),
-        block_tables=jnp.asarray(tables, jnp.int32),
-        context_lens=jnp.full((batch,), context, jnp.int32),
-    )
-    return q, k, v, meta
+    paging = (jnp.asarray(positions), jnp.asarray(tables, jnp.int32),
+              jnp.full((batch,), context, jnp.int32))
+    return q, k, v, paging
 
 
 def timed(fn: Callable[[], jax.Array], repeats: int = 20) -> float:
@@ -70,10 +68,10 @@ def check_kernels() -> list[dict]:
         (paged_decode_attention, 1, 777, 8, 1, 64, 100, jnp.bfloat16),
     ]
     for kernel, q_len, context, heads, kv_heads, hd, window, dtype in cases:
-        q, k, v, meta = paged_inputs(4, q_len, context, heads, kv_heads, hd, 16, dtype)
+        q, k, v, paging = paged_inputs(4, q_len, context, heads, kv_heads, hd, 16, dtype)
         kwargs = dict(block_size=16, scale=hd**-0.5, window=window)
-        got = jax.jit(lambda *a, kernel=kernel, kw=kwargs: kernel(*a, **kw))(q, k, v, 0, meta)
-        want = paged_attention_reference(q, k, v, 0, meta, **kwargs)
+        got = jax.jit(lambda *a, kernel=kernel, kw=kwargs: kernel(*a, **kw))(q, k, v, 0, *paging)
+        want = paged_attention_reference(q, k, v, 0, *paging, **kwargs)
         error = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
         results.append({"kernel": kernel.__name__, "q_len": q_len, "context": context,
                         "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
@@ -85,7 +83,8 @@ def check_kernels() -> list[dict]:
 
 def time_decode(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> dict:
     batch, context, block_size = 64, 4096, 16
-    q, k, v, meta = paged_inputs(batch, 1, context, heads, kv_heads, head_dim, block_size, dtype)
+    q, k, v, paging = paged_inputs(batch, 1, context, heads, kv_heads, head_dim, block_size,
+                                   dtype)
     kwargs = dict(block_size=block_size, scale=head_dim**-0.5, window=NO_WINDOW)
     pallas = jax.jit(lambda *a: paged_decode_attention(*a, **kwargs))
     xla = jax.jit(lambda *a: paged_attention_reference(*a, **kwargs))
@@ -93,7 +92,7 @@ def time_decode(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> d
     result = {"batch": batch, "context": context, "heads": heads, "kv_heads": kv_heads,
               "head_dim": head_dim, "dtype": jnp.dtype(dtype).name, "kv_bytes": kv_bytes}
     for name, fn in (("pallas", pallas), ("xla", xla)):
-        seconds = timed(lambda fn=fn: fn(q, k, v, 0, meta))
+        seconds = timed(lambda fn=fn: fn(q, k, v, 0, *paging))
         result[f"{name}_ms"] = seconds * 1e3
         result[f"{name}_GBps"] = kv_bytes / seconds / 1e9
     return result

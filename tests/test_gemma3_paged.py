@@ -13,7 +13,8 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.model.transformer import forward, init_kv_cache, lm_head
-from jaxinfer.ops.attention import AttentionMetadata, get_attention_fn
+from jaxinfer.ops.attention import get_attention_fn
+from jaxinfer.ops.types import AttentionMetadata
 from jaxinfer.weights import LoadedModel
 
 BLOCK = 16

@@ -18,10 +18,10 @@ import pytest
 from test_gguf import write_gguf
 
 from jaxinfer.gguf_file import GGUFTensor, read_gguf
+from jaxinfer.model.quant import dequantize
 from jaxinfer.weights import gguf_loader, hf
 from jaxinfer.weights.gguf_quants import DECODERS, GGUFMatrix
 from jaxinfer.weights.quantize import (
-    dequantize_np,
     matrix_quantizer,
     quantize_int4,
     quantize_int8,
@@ -110,7 +110,7 @@ def test_conversions_do_not_depend_on_chunking(qtype: QType) -> None:
         _assert_same(matrix.quantize_int4(128), quantize_int4(w, 128))
         np.testing.assert_array_equal(_bits(matrix.dequantize()), _bits(w))
     exact = _matrix(qtype, raw, 512 * 4).exact()
-    np.testing.assert_array_equal(_bits(dequantize_np(exact)), _bits(w))
+    np.testing.assert_array_equal(_bits(dequantize(exact)), _bits(w))
 
 
 def _assert_same(actual, expected) -> None:
@@ -168,11 +168,11 @@ def test_conversion_error_within_format_bounds(real_tensors) -> None:
         int4_step = np.repeat((grouped.max(-1) - grouped.min(-1)) / 15, 128, axis=1)
         for weight, step in ((matrix.quantize_int8(), int8_step),
                              (matrix.quantize_int4(128), int4_step)):
-            err = dequantize_np(weight) - w
+            err = dequantize(weight) - w
             half = np.broadcast_to(step / 2, w.shape)
             assert np.all(np.abs(err) <= half * (1 + 1e-5) + 1e-9), (tensor.name, weight.kind)
             rel_rms = np.linalg.norm(err) / np.linalg.norm(w)
             uniform = np.linalg.norm(half) / np.sqrt(3) / np.linalg.norm(w)
             assert rel_rms <= 1.2 * uniform, (tensor.name, weight.kind, rel_rms, uniform)
             assert rel_rms <= MAX_REL_RMS[weight.bits], (tensor.name, weight.kind, rel_rms)
-        np.testing.assert_array_equal(dequantize_np(matrix.exact()), w)  # lossless form
+        np.testing.assert_array_equal(dequantize(matrix.exact()), w)  # lossless form

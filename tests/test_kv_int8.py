@@ -1,4 +1,6 @@
-"""int8 KV cache: quantization, the reference and both Pallas kernels, the engine, sizing.
+"""int8 KV cache: writing, the reference and both Pallas kernels, the engine, sizing.
+
+The int8 rule itself (round trip, zero vectors) is tested in test_int8.py.
 
 Pools here are filled through a shuffled, non-contiguous block table with a
 second layer of noise (as in test_paged_decode.py / test_flash_prefill.py).
@@ -25,18 +27,14 @@ from jaxinfer.engine.config import EngineConfig, load_engine_preset
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.transformer import init_kv_cache, kv_bytes_per_token
 from jaxinfer.ops.attention import write_kv_int8
+from jaxinfer.ops.int8 import dequantize_int8, quantize_int8
+from jaxinfer.ops.types import NO_WINDOW
 from jaxinfer.runner import CacheConfig, ModelRunner
 from jaxinfer.weights import load_model
 from jaxinfer.weights.dummy import dummy_params
 from pallas_kernels.flash_prefill import flash_prefill_attention
 from pallas_kernels.paged_decode import paged_decode_attention
-from pallas_kernels.reference import (
-    NO_WINDOW,
-    AttentionMetadata,
-    dequantize_int8,
-    paged_attention_reference,
-    quantize_int8,
-)
+from pallas_kernels.reference import paged_attention_reference
 
 TINY = Path(__file__).parent / "data" / "tiny"
 LAYER = 1  # layer 0 is noise
@@ -51,20 +49,7 @@ _prefill = jax.jit(functools.partial(flash_prefill_attention, interpret=True),
                    static_argnames=STATIC)
 
 
-# ----------------------------------------------------------------- quantization
-
-
-def test_quantize_round_trip_is_within_half_a_step() -> None:
-    rng = np.random.default_rng(0)
-    magnitudes = np.array([1e-3, 1.0, 50.0, 0.0])[:, None, None]  # per token; last: all zero
-    x = jnp.asarray(rng.standard_normal((4, 3, 64)) * magnitudes, jnp.float32)
-    values, scale = quantize_int8(x)
-    assert values.dtype == jnp.int8 and scale.dtype == jnp.float32 and scale.shape == (4, 3)
-    assert int(jnp.abs(values.astype(jnp.int32)).max()) == 127  # the largest element hits 127
-    err = jnp.abs(dequantize_int8(values, scale) - x)
-    assert bool(jnp.all(err <= scale[..., None] * (0.5 + 1e-5)))  # half a quantization step
-    np.testing.assert_allclose(scale, jnp.abs(x).max(-1) / 127, rtol=1e-6)
-    assert not values[3].any() and not scale[3].any()  # zero vectors: scale 0, no NaN
+# ----------------------------------------------------------------- writing
 
 
 def test_write_kv_int8_scatters_values_and_scales_and_drops_padding() -> None:
@@ -86,12 +71,19 @@ class Case:
     q: jax.Array  # [B, T, H, hd] f32
     k_pool: jax.Array  # [2, rows, KV, hd] f32
     v_pool: jax.Array
-    meta: AttentionMetadata
+    positions: jax.Array  # [B, T]
+    block_tables: jax.Array  # [B, max_blocks]
+    context_lens: jax.Array  # [B]
     q_lens: tuple[int, ...]  # real query slots per row
 
     @property
     def scale(self) -> float:
         return float(self.q.shape[-1]) ** -0.5
+
+    @property
+    def paging(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The kernels' positions, block tables and context lengths, in argument order."""
+        return self.positions, self.block_tables, self.context_lens
 
     def int8(self) -> dict[str, jax.Array]:
         (k, ks), (v, vs) = quantize_int8(self.k_pool), quantize_int8(self.v_pool)
@@ -110,17 +102,15 @@ def make_case(ctx: list[int], q_lens: list[int], *, t: int, kv_heads: int = 2, g
     positions = np.zeros((b, t), np.int32)
     for row, (c, n) in enumerate(zip(ctx, q_lens, strict=True)):
         positions[row, :n] = np.arange(c - n, c)
-    meta = AttentionMetadata(
-        positions=jnp.asarray(positions), slot_mapping=jnp.zeros((b, t), jnp.int32),
-        block_tables=jnp.asarray(tables, jnp.int32), context_lens=jnp.asarray(ctx, jnp.int32),
-    )
     q = rng.standard_normal((b, t, kv_heads * group, head_dim)).astype(np.float32)
-    return Case(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), meta, tuple(q_lens))
+    return Case(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool),
+                jnp.asarray(positions), jnp.asarray(tables, jnp.int32),
+                jnp.asarray(ctx, jnp.int32), tuple(q_lens))
 
 
 def attend(fn, case: Case, window: int, softcap: float | None = None, **pools) -> np.ndarray:
     pools = pools or {"k_pool": case.k_pool, "v_pool": case.v_pool}
-    out = fn(case.q, pools.pop("k_pool"), pools.pop("v_pool"), jnp.int32(LAYER), case.meta,
+    out = fn(case.q, pools.pop("k_pool"), pools.pop("v_pool"), jnp.int32(LAYER), *case.paging,
              block_size=BLOCK, scale=case.scale, window=jnp.int32(window), softcap=softcap,
              **pools)
     return np.asarray(out, np.float64)
@@ -169,8 +159,7 @@ def test_reference_int8_pool_is_the_float_reference_on_dequantized_values(window
 )
 def test_paged_decode_kernel_reads_int8_pools(ctx, window, num_splits, softcap) -> None:
     case = make_case(ctx, [1 if c else 0 for c in ctx], t=1)
-    case = replace(case, meta=case.meta.replace(
-        positions=jnp.maximum(case.meta.context_lens - 1, 0)[:, None]))
+    case = replace(case, positions=jnp.maximum(case.context_lens - 1, 0)[:, None])
     got = attend(_decode, case, window, softcap, num_splits=num_splits, **case.int8())
     want = attend(_reference, case, window, softcap, **case.int8())
     live = np.asarray(ctx) > 0
@@ -195,12 +184,12 @@ def test_nan_scales_in_unread_rows_are_ignored() -> None:
     """NaN scales (and extreme int8 values) in blocks outside the window, rows past the
     context and unused blocks: both kernels and the reference still give the clean result."""
     case = make_case([40, 17], [1, 1], t=1, kv_heads=1)
-    case = replace(case, meta=case.meta.replace(positions=case.meta.context_lens[:, None] - 1))
+    case = replace(case, positions=case.context_lens[:, None] - 1)
     window = 8
     clean = case.int8()
-    tables = np.asarray(case.meta.block_tables)
+    tables = np.asarray(case.block_tables)
     read = {tables[b, p // BLOCK] * BLOCK + p % BLOCK
-            for b, c in enumerate(np.asarray(case.meta.context_lens))
+            for b, c in enumerate(np.asarray(case.context_lens))
             for p in range(max(0, c - window), c)}
     unread = np.array([r for r in range(case.k_pool.shape[1]) if r not in read])
     poisoned = {name: np.array(array) for name, array in clean.items()}
@@ -233,11 +222,10 @@ def test_int8_kernels_lower_through_pallas_triton(kernel) -> None:
     s = jax.ShapeDtypeStruct
     t = 1 if kernel is paged_decode_attention else 40
     pool, scales = (2, 256, 1, 256), (2, 256, 1)
-    meta = AttentionMetadata(s((2, t), jnp.int32), s((2, t), jnp.int32), s((2, 6), jnp.int32),
-                             s((2,), jnp.int32))
+    paging = (s((2, t), jnp.int32), s((2, 6), jnp.int32), s((2,), jnp.int32))
     fn = jax.jit(functools.partial(kernel, block_size=16, scale=0.1, softcap=30.0))
     traced = fn.trace(s((2, t, 4, 256), jnp.bfloat16), s(pool, jnp.int8), s(pool, jnp.int8),
-                      s((), jnp.int32), meta, window=s((), jnp.int32),
+                      s((), jnp.int32), *paging, window=s((), jnp.int32),
                       k_scale=s(scales, jnp.float32), v_scale=s(scales, jnp.float32))
     assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
 

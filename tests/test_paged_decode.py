@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.ops.types import NO_WINDOW
 from pallas_kernels.paged_decode import (
     MAX_SPLITS,
     choose_num_splits,
@@ -23,7 +24,6 @@ from pallas_kernels.paged_decode import (
     reference,
     split_block_range,
 )
-from pallas_kernels.reference import NO_WINDOW, AttentionMetadata
 
 LAYERS = 2
 LAYER = 1  # layer 0 is noise: reading it fails the comparison
@@ -42,7 +42,9 @@ class Case:
     q: jax.Array  # [B, 1, H, hd]
     k_pool: jax.Array  # [L, rows, KV, hd]
     v_pool: jax.Array  # [L, rows, KV, hd]
-    meta: AttentionMetadata
+    positions: jax.Array  # [B, 1] query positions
+    block_tables: jax.Array  # [B, max_blocks]
+    context_lens: jax.Array  # [B]
     k_seq: np.ndarray  # [B, C, KV, hd] float64, contiguous, as stored (dtype-rounded)
     v_seq: np.ndarray  # [B, C, KV, hd] float64
     ctx: np.ndarray  # [B]
@@ -51,6 +53,11 @@ class Case:
     @property
     def scale(self) -> float:
         return float(self.q.shape[-1]) ** -0.5
+
+    @property
+    def paging(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The kernels' positions, block tables and context lengths, in argument order."""
+        return self.positions, self.block_tables, self.context_lens
 
 
 def make_case(
@@ -76,14 +83,9 @@ def make_case(
             src = slice(j * block_size, (j + 1) * block_size)
             k_pool[LAYER, dst], v_pool[LAYER, dst] = k_seq[row, src], v_seq[row, src]
     q = _rounded(rng.standard_normal((b, 1, kv_heads * group, head_dim)), dtype)
-    meta = AttentionMetadata(
-        positions=jnp.asarray(np.maximum(ctx - 1, 0)[:, None]),
-        slot_mapping=jnp.zeros((b, 1), jnp.int32),
-        block_tables=jnp.asarray(table),
-        context_lens=jnp.asarray(ctx),
-    )
     return Case(jnp.asarray(q, dtype), jnp.asarray(k_pool, dtype), jnp.asarray(v_pool, dtype),
-                meta, k_seq, v_seq, ctx, block_size)
+                jnp.asarray(np.maximum(ctx - 1, 0)[:, None]), jnp.asarray(table),
+                jnp.asarray(ctx), k_seq, v_seq, ctx, block_size)
 
 
 def _rounded(x: np.ndarray, dtype) -> np.ndarray:
@@ -111,7 +113,7 @@ def dense_attention(case: Case, window: int, softcap: float | None = None) -> np
 
 
 def run_kernel(case: Case, window: int, **options) -> np.ndarray:
-    out = _kernel(case.q, case.k_pool, case.v_pool, jnp.int32(LAYER), case.meta,
+    out = _kernel(case.q, case.k_pool, case.v_pool, jnp.int32(LAYER), *case.paging,
                   block_size=case.block_size, scale=case.scale, window=jnp.int32(window),
                   interpret=True, **options)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
@@ -119,7 +121,7 @@ def run_kernel(case: Case, window: int, **options) -> np.ndarray:
 
 
 def run_reference(case: Case, window: int, softcap: float | None = None) -> np.ndarray:
-    out = _reference(case.q, case.k_pool, case.v_pool, jnp.int32(LAYER), case.meta,
+    out = _reference(case.q, case.k_pool, case.v_pool, jnp.int32(LAYER), *case.paging,
                      block_size=case.block_size, scale=case.scale, window=jnp.int32(window),
                      softcap=softcap)
     return np.asarray(out.astype(jnp.float32), np.float64)
@@ -189,7 +191,7 @@ def test_padding_row_gives_zeros(num_splits: int) -> None:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_mixed_short_and_long_context(dtype, window: int) -> None:
     case = make_case([1, 1000], kv_heads=1, group=4, head_dim=256, dtype=dtype, seed=5)
-    assert choose_num_splits(case.meta.block_tables.shape[1]) > 1  # auto split-K engaged
+    assert choose_num_splits(case.block_tables.shape[1]) > 1  # auto split-K engaged
     assert_matches(case, window)
 
 
@@ -205,7 +207,7 @@ def test_stale_nan_rows_do_not_leak() -> None:
     case = make_case([40, 17, 64], max_blocks=4, seed=8)
     window = 8
     k_pool, v_pool = np.array(case.k_pool), np.array(case.v_pool)
-    table = np.asarray(case.meta.block_tables)
+    table = np.asarray(case.block_tables)
     for row, n in enumerate(case.ctx):
         stale = [p for p in range(-(-n // 16) * 16) if p >= n or p < n - window]
         phys = table[row, np.array(stale) // 16] * 16 + np.array(stale) % 16
@@ -255,7 +257,7 @@ def test_rejects_more_than_one_query_token() -> None:
     case = make_case([5], seed=7)
     q2 = jnp.concatenate([case.q, case.q], axis=1)
     with pytest.raises(ValueError, match="one token per row"):
-        paged_decode_attention(q2, case.k_pool, case.v_pool, jnp.int32(LAYER), case.meta,
+        paged_decode_attention(q2, case.k_pool, case.v_pool, jnp.int32(LAYER), *case.paging,
                                block_size=case.block_size, scale=1.0, window=NO_WINDOW,
                                interpret=True)
 
@@ -264,9 +266,9 @@ def test_rejects_more_than_one_query_token() -> None:
 def test_lowers_through_pallas_triton(dtype) -> None:
     """The kernel stays inside what Pallas' Triton lowering supports (no GPU needed)."""
     case = make_case([1, 100, 0], kv_heads=1, group=4, head_dim=256, dtype=dtype, seed=9)
-    attend = jax.jit(lambda q, k, v, layer, meta, window: paged_decode_attention(
-        q, k, v, layer, meta, block_size=16, scale=case.scale, window=window, softcap=30.0,
+    attend = jax.jit(lambda q, k, v, layer, paging, window: paged_decode_attention(
+        q, k, v, layer, *paging, block_size=16, scale=case.scale, window=window, softcap=30.0,
         num_splits=2))
-    lowered = attend.trace(case.q, case.k_pool, case.v_pool, jnp.int32(LAYER), case.meta,
+    lowered = attend.trace(case.q, case.k_pool, case.v_pool, jnp.int32(LAYER), case.paging,
                            jnp.int32(NO_WINDOW)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()

@@ -29,7 +29,6 @@ from jaxinfer.weights.awq import best_act_scale, calibration_tokens
 from jaxinfer.weights.orbax_ckpt import save_checkpoint
 from jaxinfer.weights.quantize import (
     QUANTIZATIONS,
-    dequantize_np,
     fitting_group,
     matrix_quantizer,
     quantize_int4,
@@ -48,7 +47,7 @@ def test_int8_per_channel_error_is_within_half_a_step() -> None:
     q = quantize_int8(w)
     assert q.values.dtype == np.int8 and q.scales.shape == (3, 64, 1) and q.shape == w.shape
     step = np.abs(w).max(axis=-1, keepdims=True) / 127
-    assert np.all(np.abs(dequantize_np(q) - w) <= step / 2 + 1e-7)
+    assert np.all(np.abs(dequantize(q) - w) <= step / 2 + 1e-7)
 
 
 def test_int8_groups_have_their_own_scales() -> None:
@@ -56,7 +55,7 @@ def test_int8_groups_have_their_own_scales() -> None:
     w[:, :32] *= 100  # one loud group must not coarsen the other
     q = quantize_int8(w, group_size=32)
     assert q.scales.shape == (8, 2)
-    quiet_error = np.abs(dequantize_np(q) - w)[:, 32:].max()
+    quiet_error = np.abs(dequantize(q) - w)[:, 32:].max()
     assert quiet_error <= np.abs(w[:, 32:]).max() / 127 / 2 + 1e-7
 
 
@@ -68,7 +67,7 @@ def test_int4_packs_two_per_byte_low_nibble_first() -> None:
     assert u.max() <= 15
     assert np.array_equal(u[:, 0::2], q.values & 15) and np.array_equal(u[:, 1::2], q.values >> 4)
     group_range = np.ptp(w.reshape(4, 2, 128), axis=-1)
-    error = np.abs(dequantize_np(q) - w).reshape(4, 2, 128).max(axis=-1)
+    error = np.abs(dequantize(q) - w).reshape(4, 2, 128).max(axis=-1)
     assert np.all(error <= group_range / 15 / 2 + 1e-6)
 
 
@@ -76,7 +75,7 @@ def test_jax_and_numpy_dequantization_agree() -> None:
     w = _matrix((2, 16, 64))
     for q in (quantize_int8(w), quantize_int4(w, 32, act_scale=np.full((2, 64), 0.5, np.float32))):
         device = jax.tree.map(jnp.asarray, q)
-        np.testing.assert_allclose(np.asarray(dequantize(device)), dequantize_np(q), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(dequantize(device)), dequantize(q), rtol=1e-6)
 
 
 def test_group_sizes_that_do_not_fit_fall_back_or_fail_clearly() -> None:
@@ -92,18 +91,18 @@ def test_weight_only_matmul_equals_the_dequantized_matrix(rows: int, make) -> No
     w, x = _matrix((48, 64)), _matrix((rows, 64), seed=1)
     q = jax.tree.map(jnp.asarray, make(w))
     got = quantized_matmul(jnp.asarray(x), q)
-    np.testing.assert_allclose(np.asarray(got), x @ dequantize_np(make(w)).T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), x @ dequantize(make(w)).T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("group_size", [None, 32])
 def test_w8a8_matmul_error_is_bounded_by_the_activation_step(group_size: int | None) -> None:
     w, x = _matrix((48, 64)), _matrix((W8A8_MIN_ROWS * 2, 64), seed=2)
     q = quantize_int8(w, group_size).replace(w8a8=True)
-    exact = x @ dequantize_np(q).T
+    exact = x @ dequantize(q).T
     got = np.asarray(quantized_matmul(jnp.asarray(x), jax.tree.map(jnp.asarray, q)))
     group = group_size or 64
     x_step = np.abs(x.reshape(len(x), -1, group)).max(axis=-1) / 127  # [rows, G]
-    bound = (x_step[:, :, None] / 2 * np.abs(dequantize_np(q)).reshape(48, -1, group).sum(-1).T
+    bound = (x_step[:, :, None] / 2 * np.abs(dequantize(q)).reshape(48, -1, group).sum(-1).T
              [None]).sum(1)  # sum over groups of step/2 * |w|
     assert np.all(np.abs(got - exact) <= bound + 1e-4)
     assert np.abs(got - exact).max() > 0  # it really took the int8 x int8 path
@@ -125,7 +124,7 @@ def test_embedding_rows_are_dequantized_rows() -> None:
     q = quantize_int8(w)
     ids = jnp.asarray([[3, 7, 3]])
     rows = np.asarray(take_rows(jax.tree.map(jnp.asarray, q), ids))
-    np.testing.assert_allclose(rows, dequantize_np(q)[[3, 7, 3]][None], rtol=1e-6)
+    np.testing.assert_allclose(rows, dequantize(q)[[3, 7, 3]][None], rtol=1e-6)
 
 
 def test_awq_scaling_is_never_worse_than_plain_int4_and_helps_outliers() -> None:
@@ -136,7 +135,7 @@ def test_awq_scaling_is_never_worse_than_plain_int4_and_helps_outliers() -> None
     act_scale = best_act_scale(w, x, group=32)
 
     def output_error(q: QuantizedWeight) -> np.ndarray:
-        return np.mean((np.einsum("lni,loi->lno", x, dequantize_np(q) - w)) ** 2, axis=(1, 2))
+        return np.mean((np.einsum("lni,loi->lno", x, dequantize(q) - w)) ** 2, axis=(1, 2))
 
     plain = output_error(quantize_int4(w, 32))
     aware = output_error(quantize_int4(w, 32, act_scale=act_scale))

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.ops.attention import quantize_int8  # per-vector int8, as the KV cache uses
+from jaxinfer.ops.int8 import array_module, dequantize_int8, quantize_int8
 
 W8A8_MIN_ROWS = 2  # from this many activation rows, w8a8 weights use the int8 x int8 dot
 ROW_LOOP_MAX_ROWS = 3  # weight-only: up to this many rows, one fused product per row
@@ -65,20 +65,23 @@ class QuantizedWeight:
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
-    """uint8 [..., n // 2] -> uint8 [..., n], low nibble first."""
-    pairs = jnp.stack([packed & 15, packed >> 4], axis=-1)
+    """uint8 [..., n // 2] -> uint8 [..., n], low nibble first (numpy in, numpy out)."""
+    xp = array_module(packed)
+    pairs = xp.stack([packed & 15, packed >> 4], axis=-1)
     return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def dequantize(weight: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """The float matrix [..., out, in] (folding act_scale back in). For tests and rows
-    of the embedding; never called on a whole weight inside a step."""
+    """The float matrix [..., out, in] (folding act_scale back in). For tests, error
+    measurement and rows of the embedding; never called on a whole weight inside a step.
+    A weight of numpy arrays (as quantized on the host) gives a numpy matrix."""
     values = unpack_int4(weight.values) if weight.bits == 4 else weight.values
     *lead, out, n_in = values.shape
-    grouped = values.reshape(*lead, out, weight.num_groups, -1).astype(jnp.float32)
-    w = grouped * weight.scales[..., None]
-    if weight.offsets is not None:
-        w = w + weight.offsets[..., None]
+    grouped = values.reshape(*lead, out, weight.num_groups, -1)
+    if weight.offsets is None:
+        w = dequantize_int8(grouped, weight.scales)
+    else:
+        w = grouped.astype(jnp.float32) * weight.scales[..., None] + weight.offsets[..., None]
     w = w.reshape(*lead, out, n_in)
     if weight.act_scale is not None:
         w = w * weight.act_scale[..., None, :]

@@ -23,14 +23,13 @@ from jaxinfer.model.layers import apply_rope, gated_mlp, layer_rope, linear, rms
 from jaxinfer.model.params import Params, compute_dtype
 from jaxinfer.model.quant import QuantizedWeight, take_rows
 from jaxinfer.ops.attention import (
-    NO_WINDOW,
     AttentionFn,
-    AttentionMetadata,
     check_kv_cache_dtype,
-    paged_attention_reference,
     write_kv,
     write_kv_int8,
+    xla_attention,
 )
+from jaxinfer.ops.types import NO_WINDOW, AttentionMetadata
 
 
 @struct.dataclass
@@ -117,7 +116,7 @@ def forward(
     meta: AttentionMetadata,
     *,
     block_size: int,
-    attention_fn: AttentionFn = paged_attention_reference,
+    attention_fn: AttentionFn = xla_attention,
     unroll_layers: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Run all layers; writes the new K/V into the pool. Returns hidden [B, T, d_model].
@@ -245,6 +244,6 @@ def _dense_forward(
         block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
         context_lens=jnp.full((b,), t, jnp.int32),
     )
-    h, _, taps = _run_layers(params, config, tokens, kv, meta, t, paged_attention_reference,
+    h, _, taps = _run_layers(params, config, tokens, kv, meta, t, xla_attention,
                              record_inputs)
     return h, taps

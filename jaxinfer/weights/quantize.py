@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.quant import QuantizedWeight
+from jaxinfer.ops import int8
 
 QUANTIZATIONS = ("none", "int8", "w8a8", "int4", "int4-awq")
 INT8_METHODS = ("int8", "w8a8")
@@ -62,13 +63,12 @@ def check_quantization(method: str) -> None:
 
 
 def quantize_int8(w: np.ndarray, group_size: int | None = None) -> QuantizedWeight:
-    """Symmetric int8 of w [..., out, in]: per output channel, or per group of inputs."""
+    """Symmetric int8 of w [..., out, in] (ops/int8.py's rule): per output channel, or per
+    group of inputs."""
     w = np.asarray(w, np.float32)
     group = _group_size(w.shape[-1], group_size)
     grouped = w.reshape(*w.shape[:-1], w.shape[-1] // group, group)
-    scales = np.max(np.abs(grouped), axis=-1) / 127.0
-    scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
-    values = np.clip(np.rint(grouped / scales[..., None]), -127, 127).astype(np.int8)
+    values, scales = int8.quantize_int8(grouped)  # [..., out, G, group], [..., out, G]
     return QuantizedWeight(values=values.reshape(w.shape), scales=scales, bits=8,
                            group_size=group)
 
@@ -95,21 +95,6 @@ def quantize_int4(
     act = None if act_scale is None else np.asarray(act_scale, np.float32)
     return QuantizedWeight(values=packed, scales=scales, offsets=low.astype(np.float32),
                            act_scale=act, bits=4, group_size=group)
-
-
-def dequantize_np(weight: QuantizedWeight) -> np.ndarray:
-    """The float matrix a QuantizedWeight stands for (numpy; for measuring error)."""
-    values = np.asarray(weight.values)
-    if weight.bits == 4:
-        values = np.stack([values & 15, values >> 4], axis=-1).reshape(weight.shape)
-    grouped = values.reshape(*values.shape[:-1], weight.num_groups, -1).astype(np.float32)
-    w = grouped * np.asarray(weight.scales)[..., None]
-    if weight.offsets is not None:
-        w = w + np.asarray(weight.offsets)[..., None]
-    w = w.reshape(weight.shape)
-    if weight.act_scale is not None:
-        w = w * np.asarray(weight.act_scale)[..., None, :]
-    return w
 
 
 def _group_size(n_in: int, group_size: int | None) -> int:
