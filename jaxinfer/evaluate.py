@@ -139,12 +139,6 @@ def perplexities(llm: LLM, sequences: Sequence[Sequence[int]], *,
     return _score_windows(sequences, max_len, stride, lambda jobs: _engine_scores(llm, jobs))
 
 
-def perplexity(llm: LLM, token_ids: Sequence[int], *, max_len: int = DEFAULT_MAX_LEN,
-               stride: int | None = None) -> PerplexityResult:
-    """Perplexity of one token sequence through the serving path of `llm`."""
-    return perplexities(llm, [token_ids], max_len=max_len, stride=stride)[0]
-
-
 def _engine_scores(llm: LLM, jobs: list[tuple[Sequence[int], Window]]) -> list[np.ndarray]:
     from jaxinfer.sampling import SamplingParams
 

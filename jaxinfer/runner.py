@@ -161,6 +161,17 @@ class StepOutput(struct.PyTreeNode):
     prompt_logprobs: jax.Array  # [B, T] f32 log p(token t+1 | ..t); [B, 0] when not asked
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """A step's output on the host, one row per batch row (padding rows included)."""
+
+    tokens: np.ndarray  # [B] int32 sampled token ids
+    logprobs: np.ndarray  # [B] f32 log-prob of each sampled token (raw distribution)
+    top_ids: np.ndarray  # [B, K] int32 most likely ids, K = the bucketed top count (0, 5, 20)
+    top_logprobs: np.ndarray  # [B, K] f32
+    prompt_logprobs: np.ndarray  # [B, T] f32 log p(token t+1 | ..t); [B, 0] when not asked
+
+
 class PendingStep:
     """A dispatched step: the device computes while the host prepares the next call.
 
@@ -173,15 +184,13 @@ class PendingStep:
         for leaf in jax.tree.leaves(output):
             leaf.copy_to_host_async()
 
-    def result(self) -> dict[str, np.ndarray]:
+    def result(self) -> StepResult:
         host = jax.device_get(self._output)
-        return {
-            "tokens": host.sample.tokens,
-            "logprobs": host.sample.logprobs,
-            "top_ids": host.sample.top_ids,
-            "top_logprobs": host.sample.top_logprobs,
-            "prompt_logprobs": host.prompt_logprobs,
-        }
+        return StepResult(
+            tokens=host.sample.tokens, logprobs=host.sample.logprobs,
+            top_ids=host.sample.top_ids, top_logprobs=host.sample.top_logprobs,
+            prompt_logprobs=host.prompt_logprobs,
+        )
 
 
 @dataclass
@@ -303,23 +312,14 @@ class ModelRunner:
         widths = [w for w in _powers_of_two(cap, MIN_CONTEXT_BLOCKS) if w < cap]
         return [*widths, cap]
 
-    def example_step_args(
-        self, rows: int, length: int, width: int, *, is_prefill: bool
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """(args, kwargs) of one all-padding step call of this shape, plain sampling."""
+    def _warm(self, rows: int, length: int, width: int, *, is_prefill: bool) -> None:
+        """Compile one shape with an all-padding call, plain sampling."""
         batch = self._batch([], rows, length, is_prefill, width=width)
         sampling = make_sampling_arrays([], [], [], rows)
-        kwargs = {"num_top_logprobs": 0, "prompt_logprobs": False, "is_prefill": is_prefill}
-        return (self.params, self.kv, self.penalties, batch, sampling), kwargs
-
-    def cost_analysis_step(self) -> Any:
-        """The step with its layer loop unrolled, to lower for XLA's cost analysis."""
-        return _jitted_step(self.config, self.cache.block_size, self.cache.attention_impl,
-                            unroll_layers=True)
-
-    def _warm(self, rows: int, length: int, width: int, *, is_prefill: bool) -> None:
-        args, kwargs = self.example_step_args(rows, length, width, is_prefill=is_prefill)
-        _, self.kv, self.penalties = self._step(*args, **kwargs)
+        _, self.kv, self.penalties = self._step(
+            self.params, self.kv, self.penalties, batch, sampling,
+            num_top_logprobs=0, prompt_logprobs=False, is_prefill=is_prefill,
+        )
 
     def _dispatch(self, rows: Sequence[Row], length: int, *, is_prefill: bool) -> PendingStep:
         batch = self._batch(rows, next_power_of_two(len(rows), 1), length, is_prefill)
@@ -376,12 +376,10 @@ class ModelRunner:
 
 
 @functools.cache
-def _jitted_step(
-    config: ModelConfig, block_size: int, attention_impl: str, unroll_layers: bool = False
-) -> Any:
+def _jitted_step(config: ModelConfig, block_size: int, attention_impl: str) -> Any:
     """One jitted step per (model config, block size, kernel): runners share compilations."""
     step = partial(_step, config=config, block_size=block_size,
-                   attention_fn=get_attention_fn(attention_impl), unroll_layers=unroll_layers)
+                   attention_fn=get_attention_fn(attention_impl))
     return jax.jit(
         step, static_argnames=("num_top_logprobs", "prompt_logprobs", "is_prefill"),
         donate_argnames=("kv", "penalties"),
@@ -440,11 +438,10 @@ def _step(
     num_top_logprobs: int,
     prompt_logprobs: bool,
     is_prefill: bool,
-    unroll_layers: bool = False,
 ) -> tuple[StepOutput, KVCache, PenaltyState]:
     """Forward, sample and update the penalty state, all in one compiled program."""
     hidden, kv = forward(params, config, batch.tokens, kv, batch.meta, block_size=block_size,
-                         attention_fn=attention_fn, unroll_layers=unroll_layers)
+                         attention_fn=attention_fn)
     last = jnp.take_along_axis(hidden, batch.last_index[:, None, None], axis=1)[:, 0]
     logits = lm_head(params, config, last)  # [B, V]
     if is_prefill:

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxinfer.errors import ConfigError, RequestError
+from jaxinfer.errors import ConfigError
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
@@ -219,21 +219,6 @@ def make_sampling_arrays(params: Sequence[SamplingParams], seeds: Sequence[int],
         min_p=f32[:, 3], repetition_penalty=f32[:, 4], presence_penalty=f32[:, 5],
         frequency_penalty=f32[:, 6], key=key, step=step,
     )
-
-
-def prompt_mask_from_tokens(token_ids: Sequence[Sequence[int]], vocab: int,
-                            batch: int) -> np.ndarray:
-    """[batch, vocab] bool: which tokens occur in each row's prompt (padding rows empty)."""
-    if len(token_ids) > batch:
-        raise ConfigError(f"batch must be >= len(token_ids) = {len(token_ids)}, got {batch}")
-    mask = np.zeros((batch, vocab), np.bool_)  # [B, V]
-    for row, ids in enumerate(token_ids):
-        ids = np.asarray(ids, np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            raise RequestError(f"prompt token ids of row {row} must be in [0, {vocab}), "
-                               f"got min {ids.min()} and max {ids.max()}")
-        mask[row, ids] = True
-    return mask
 
 
 # --------------------------------------------------------------------------- device

@@ -281,11 +281,10 @@ def test_step_cost_counts_every_layer_not_one_loop_body() -> None:
     """XLA's cost analysis counts a loop body once; the roofline lowers the step with
     its layer scan unrolled, so a 2-layer model costs about twice one layer."""
     from jaxinfer import LLM
-    from jaxinfer.bench.roofline import decode_shape, step_cost
+    from jaxinfer.bench.roofline import decode_shape, step_cost, step_lowering
 
     runner = LLM(TINY, max_model_len=32, block_size=16, kv_cache_memory=131072).runner
     shape = decode_shape(runner, 1, 16)
-    args, kwargs = runner.example_step_args(shape["batch"], 1, shape["width"], is_prefill=False)
-    looped = runner._step.lower(*args, **kwargs).compile().cost_analysis()
+    looped = step_lowering(runner, shape, unroll_layers=False).compile().cost_analysis()
     looped = looped[0] if isinstance(looped, list) else looped
-    assert step_cost(runner, shape, False)["flops"] > 1.5 * looped["flops"]
+    assert step_cost(runner, shape)["flops"] > 1.5 * looped["flops"]

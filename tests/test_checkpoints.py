@@ -7,10 +7,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import full_logits
 
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.model.params import param_shapes
-from jaxinfer.model.transformer import full_logits
 from jaxinfer.weights import load_model
 from jaxinfer.weights.orbax_ckpt import save_checkpoint
 

@@ -12,11 +12,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import full_logits
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.model.config import RopeScaling
-from jaxinfer.model.transformer import full_logits
 from jaxinfer.weights.hf import config_from_hf, load_hf_folder
 
 TINY = Path(__file__).parent / "data" / "tiny"

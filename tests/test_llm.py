@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_logits
 
 from jaxinfer import LLM, ConfigError, RequestError, SamplingParams
-from jaxinfer.model.transformer import full_logits
 
 PROMPT = "The history of the printing press begins in"
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from helpers import full_logits
 
 from jaxinfer import LLM, evaluate
 from jaxinfer.cli import main
@@ -22,7 +23,6 @@ from jaxinfer.evaluate import (
     strip_markdown,
     text_token_ids,
 )
-from jaxinfer.model.transformer import full_logits
 from jaxinfer.weights import load_model
 
 TINY = Path(__file__).parent / "data" / "tiny"

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_logits
 
 from jaxinfer import LLM
 from jaxinfer.cli import QUANTIZATION_CHOICES, main
@@ -22,7 +23,6 @@ from jaxinfer.model.quant import (
     take_rows,
     unpack_int4,
 )
-from jaxinfer.model.transformer import full_logits
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.weights import load_model
 from jaxinfer.weights.awq import best_act_scale, calibration_tokens

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.errors import ConfigError, RequestError
+from jaxinfer.errors import ConfigError
 from jaxinfer.sampling import (
     MAX_LOGPROBS,
     MAX_STOP,
@@ -17,7 +17,6 @@ from jaxinfer.sampling import (
     apply_penalties,
     find_stop_string,
     make_sampling_arrays,
-    prompt_mask_from_tokens,
     sample,
     seed_to_key_data,
     update_output_counts,
@@ -155,13 +154,7 @@ def test_make_sampling_arrays_rejects_bad_batches() -> None:
         make_sampling_arrays([p], [1], [-1], 1)
 
 
-def test_prompt_mask_and_output_counts() -> None:
-    mask = prompt_mask_from_tokens([[1, 2, 2], [5]], vocab=8, batch=3)
-    expected = np.zeros((3, 8), bool)
-    expected[0, [1, 2]] = expected[1, 5] = True
-    np.testing.assert_array_equal(mask, expected)
-    with pytest.raises(RequestError, match=r"row 1 must be in \[0, 8\)"):
-        prompt_mask_from_tokens([[1], [8]], vocab=8, batch=2)
+def test_output_counts() -> None:
     counts = np.zeros((3, 8), np.int32)
     for _ in range(2):
         counts = counts_jit(counts, jnp.array([1, 2, 1]), jnp.array([True, True, False]))

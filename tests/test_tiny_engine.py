@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_logits
 
 from jaxinfer import LLM, ConfigError, SamplingParams
-from jaxinfer.model.transformer import full_logits
 from jaxinfer.weights import load_model
 
 TINY = Path(__file__).parent / "data" / "tiny"

@@ -117,12 +117,12 @@ def latency_roofline(bench: EngineBench, ours: dict[str, Any],
     for p in ours["prefill"]:
         shape = prefill_shape(llm.runner, p["prompt_len"], budget)
         name = f"prefill {p['prompt_len']} (b=1, T={shape['length']} x{shape['calls']})"
-        lines.append(roofline_line(name, step_cost(llm.runner, shape, True), shape["calls"],
+        lines.append(roofline_line(name, step_cost(llm.runner, shape), shape["calls"],
                                    p["seconds"], peaks))
     for d in ours["decode"]:
         shape = decode_shape(llm.runner, 1, d["context_len"] + d["new_tokens"])
         name = f"decode @{d['context_len']} (b=1, {shape['width']} blocks)"
-        lines.append(roofline_line(name, step_cost(llm.runner, shape, False), 1,
+        lines.append(roofline_line(name, step_cost(llm.runner, shape), 1,
                                    d["seconds_per_token"], peaks))
     return lines
 
@@ -183,7 +183,7 @@ def offline_roofline(bench: EngineBench, workload: Workload, runs: list[dict[str
         batch = min(run["concurrency"], len(workload.requests))
         shape = decode_shape(runner, batch, context)
         name = f"decode b={shape['batch']} @{context} (median ITL, c={run['concurrency']})"
-        lines.append(roofline_line(name, step_cost(runner, shape, False), 1,
+        lines.append(roofline_line(name, step_cost(runner, shape), 1,
                                    run["itl"]["p50"], peaks))
     return lines
 

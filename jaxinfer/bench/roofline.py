@@ -2,10 +2,11 @@
 
 The machine's peaks are measured, not looked up: a large array reduction and
 copy for memory bandwidth (GB/s), a large matmul in the model's dtype for
-compute (GFLOP/s). A step's FLOPs and bytes come from XLA's cost analysis of
-the compiled step (`jit(...).lower(...).compile().cost_analysis()`), for the
-padded shapes the runner really dispatches (batch and length buckets, block
-table width); with a measured step time they give the achieved GB/s and
+compute (GFLOP/s). A step's FLOPs and bytes come from XLA's cost analysis
+(`jit(...).lower(...).compile().cost_analysis()`) of a step built here from the
+model's public pieces (forward, LM head, sampling), for the padded shapes the
+runner really dispatches (its batch and length buckets, block table width);
+with a measured step time they give the achieved GB/s and
 GFLOP/s and their fractions of the peaks. Decode at small batch should sit
 near the bandwidth roof, long prefills near the compute roof.
 """
@@ -15,13 +16,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxinfer.model.transformer import init_kv_cache
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.params import Params
+from jaxinfer.model.transformer import KVCache, forward, init_kv_cache, lm_head
+from jaxinfer.ops.attention import AttentionFn, get_attention_fn
+from jaxinfer.ops.types import AttentionMetadata
 from jaxinfer.runner import ModelRunner, next_power_of_two
+from jaxinfer.sampling import SampleOutput, SamplingArrays, make_sampling_arrays, sample
 
 BANDWIDTH_ELEMENTS = 1 << 26  # 256 MiB of f32: far past any cache
 MATMUL_SIZE = {"cpu": 2048}  # other backends: 8192
@@ -68,23 +76,66 @@ def decode_shape(runner: ModelRunner, batch: int, context: int) -> dict[str, int
             "width": runner.context_width(context), "calls": 1}
 
 
-def step_cost(runner: ModelRunner, shape: dict[str, int], is_prefill: bool) -> dict[str, float]:
-    """FLOPs and bytes accessed of one step call: XLA's cost analysis of the step with
-    its layer loop unrolled (a loop body would be counted once), lowered over a KV pool
-    of just the blocks the call reads: the analysis charges an in-place K/V write with
-    the whole pool, which the real update never touches."""
-    args, kwargs = runner.example_step_args(shape["batch"], shape["length"], shape["width"],
-                                            is_prefill=is_prefill)
-    rows = shape["batch"] * shape["width"] * runner.cache.block_size
-    small_pool = init_kv_cache(runner.config, rows, runner.dtype, runner.cache.kv_cache_dtype)
-    args = (args[0], small_pool, *args[2:])
-    compiled = runner.cost_analysis_step().lower(*args, **kwargs).compile()
-    cost = compiled.cost_analysis()
+def step_cost(runner: ModelRunner, shape: dict[str, int]) -> dict[str, float]:
+    """FLOPs and bytes accessed of one step call of `shape`, by XLA's cost analysis."""
+    cost = step_lowering(runner, shape).compile().cost_analysis()
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
     cost = cost or {}
     return {"flops": float(cost.get("flops", math.nan)),
             "bytes": float(cost.get("bytes accessed", math.nan))}
+
+
+def step_lowering(
+    runner: ModelRunner, shape: dict[str, int], *, unroll_layers: bool = True
+) -> jax.stages.Lowered:
+    """The runner's step of `shape` (forward, LM head at each row's last token, plain
+    sampling), lowered over abstract inputs.
+
+    The layer scan is unrolled: the analysis counts a loop body once whatever its
+    trip count. The KV pool holds just the blocks the call reads: the analysis
+    charges an in-place K/V write with the whole pool, which the real update never
+    touches.
+    """
+    b, t, width = shape["batch"], shape["length"], shape["width"]
+    cache, config = runner.cache, runner.config
+    kv = jax.eval_shape(partial(init_kv_cache, config, b * width * cache.block_size,
+                                runner.dtype, cache.kv_cache_dtype))
+    meta = AttentionMetadata(positions=_int32(b, t), slot_mapping=_int32(b, t),
+                             block_tables=_int32(b, width), context_lens=_int32(b))
+    step = jax.jit(partial(_sampled_step, config=config, block_size=cache.block_size,
+                           attention_fn=get_attention_fn(cache.attention_impl),
+                           unroll_layers=unroll_layers))
+    penalties = (jax.ShapeDtypeStruct((b, config.vocab_size), np.bool_),
+                 jax.ShapeDtypeStruct((b, config.vocab_size), np.int32))
+    return step.lower(runner.params, kv, _int32(b, t), meta, _int32(b),
+                      make_sampling_arrays([], [], [], b), *penalties)
+
+
+def _int32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, np.int32)
+
+
+def _sampled_step(
+    params: Params,
+    kv: KVCache,
+    tokens: jax.Array,  # [B, T] int32
+    meta: AttentionMetadata,
+    last_index: jax.Array,  # [B] int32, each row's last real token
+    sampling: SamplingArrays,
+    prompt_mask: jax.Array,  # [B, V] bool
+    output_counts: jax.Array,  # [B, V] int32
+    *,
+    config: ModelConfig,
+    block_size: int,
+    attention_fn: AttentionFn,
+    unroll_layers: bool,
+) -> tuple[SampleOutput, KVCache]:
+    hidden, kv = forward(params, config, tokens, kv, meta, block_size=block_size,
+                         attention_fn=attention_fn, unroll_layers=unroll_layers)
+    last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]  # [B, d]
+    logits = lm_head(params, config, last)  # [B, V]
+    return sample(logits, sampling, prompt_mask, output_counts, 0), kv
 
 
 def roofline_line(step: str, cost: dict[str, float], calls: int, seconds: float,

@@ -48,14 +48,6 @@ class Workload:
     seed: int
     requests: tuple[BenchRequest, ...]
 
-    @property
-    def input_tokens(self) -> int:
-        return sum(len(r.prompt_ids) for r in self.requests)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(r.output_len for r in self.requests)
-
 
 @dataclass(frozen=True)
 class TokenSource:

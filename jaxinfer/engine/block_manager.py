@@ -56,7 +56,7 @@ class BlockManager:
        blocks in the order given, so the prefix joins the LRU last and is
        evicted last (its blocks are the ones most likely to be matched again).
 
-    Shared blocks must not be written: `share` only blocks that are full.
+    Shared blocks are never written: `match_prefix` shares only full blocks.
     """
 
     def __init__(self, num_blocks: int, block_size: int,
@@ -98,9 +98,6 @@ class BlockManager:
         """Prompt tokens served from the cache over prompt tokens queried."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
-    def ref_count(self, block: int) -> int:
-        return self._refs[block]
-
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
@@ -128,12 +125,6 @@ class BlockManager:
             return False
         block_table.extend(self.allocate(need))
         return True
-
-    def share(self, blocks: Sequence[int]) -> None:
-        """Add a reference to each block (another sequence reads it too)."""
-        for block in blocks:
-            self._check_owned(block)
-            self._refs[block] += 1
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference per block, in the order given: pass a table tail first.
@@ -191,13 +182,6 @@ class BlockManager:
             self._key_of_block[block] = parent
             self._block_of_key.setdefault(parent, block)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every key: evictable blocks become free, live blocks unkeyed."""
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        self._key_of_block.clear()
-        self._block_of_key.clear()
-
     # -- internals -------------------------------------------------------
 
     def _key(self, parent: bytes, token_ids: Sequence[int], index: int) -> bytes:
@@ -252,10 +236,3 @@ class BlockManager:
     def _check_owned(self, block: int) -> None:
         if not 0 <= block < self.num_blocks or self._refs[block] == 0:
             raise ValueError(f"block {block} is not allocated")
-
-
-class BlockAllocator(BlockManager):
-    """The plain allocator: a free list and reference counts, no prefix cache."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching=False)

@@ -35,6 +35,7 @@ from jaxinfer.runner import (
     ModelRunner,
     PendingStep,
     Row,
+    StepResult,
     next_power_of_two,
 )
 from jaxinfer.sampling import SamplingParams, find_stop_string
@@ -287,19 +288,19 @@ class LLMEngine:
         return self.runner.prefill([self._prefill_row(chunk) for chunk in chunks])
 
     def _accept_prefills(
-        self, chunks: list[PrefillChunk], result: dict[str, np.ndarray]
+        self, chunks: list[PrefillChunk], result: StepResult
     ) -> list[StreamDelta]:
         deltas = []
         for i, chunk in enumerate(chunks):
             sample = self._samples[chunk.seq.seq_id]
-            self._record_prompt_logprobs(sample, chunk, result["prompt_logprobs"], i)
+            self._record_prompt_logprobs(sample, chunk, result.prompt_logprobs, i)
             self.scheduler.on_computed(chunk.seq, chunk.num_tokens)
             if chunk.completes:
                 deltas += self._accept(sample, result, i)
         return deltas
 
     def _accept_decodes(
-        self, seqs: list[SchedSeq], result: dict[str, np.ndarray]
+        self, seqs: list[SchedSeq], result: StepResult
     ) -> list[StreamDelta]:
         deltas = []
         for i, seq in enumerate(seqs):
@@ -346,10 +347,10 @@ class LLMEngine:
     # ----------------------------------------------------------------- outputs
 
     def _accept(
-        self, sample: _Sample, result: dict[str, np.ndarray], row: int
+        self, sample: _Sample, result: StepResult, row: int
     ) -> list[StreamDelta]:
         """Append a sampled token: detokenize, check stops, record metrics."""
-        token = int(result["tokens"][row])
+        token = int(result.tokens[row])
         request, out = sample.request, sample.output
         sample.seq.output_ids.append(token)
         now = time.perf_counter()
@@ -443,9 +444,9 @@ def _group_by_bucket(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
     return list(groups.values())
 
 
-def _token_logprobs(result: dict[str, np.ndarray], row: int, token: int, top: int) -> Logprobs:
-    entry = {token: float(result["logprobs"][row])}
-    top_ids, top_values = result["top_ids"][row][:top], result["top_logprobs"][row][:top]
+def _token_logprobs(result: StepResult, row: int, token: int, top: int) -> Logprobs:
+    entry = {token: float(result.logprobs[row])}
+    top_ids, top_values = result.top_ids[row][:top], result.top_logprobs[row][:top]
     for token_id, value in zip(top_ids, top_values, strict=True):
         entry.setdefault(int(token_id), float(value))
     return entry

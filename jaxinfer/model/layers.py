@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.model.capture import tap
 from jaxinfer.model.config import ModelConfig, RopeScaling
 from jaxinfer.model.quant import QuantizedWeight, quantized_matmul
 
@@ -33,13 +34,11 @@ def activation(x: jax.Array, kind: str) -> jax.Array:
     return jax.nn.silu(x)
 
 
-def gated_mlp(
-    x: jax.Array, layer: dict[str, jax.Array], kind: str
-) -> tuple[jax.Array, jax.Array]:
-    """down(act(gate(x)) * up(x)); x [..., d_model]. Also returns down's input."""
+def gated_mlp(x: jax.Array, layer: dict[str, jax.Array], kind: str) -> jax.Array:
+    """down(act(gate(x)) * up(x)); x [..., d_model]. Taps down's input as "mlp_hidden"."""
     gate = activation(linear(x, layer["gate_proj"]), kind)
-    hidden = gate * linear(x, layer["up_proj"])
-    return linear(hidden, layer["down_proj"]), hidden
+    hidden = tap("mlp_hidden", gate * linear(x, layer["up_proj"]))
+    return linear(hidden, layer["down_proj"])
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:

@@ -8,6 +8,10 @@ layer's index), which lets XLA alias it with the donated input buffer.
 Gemma 3's local (sliding-window) and global layers differ only by data: each
 layer gets its window length and picks its RoPE table by index, so one body
 serves both kinds.
+
+Each layer marks the intermediates in `TAPS` with `capture.tap`; a function
+wrapped by `capture.capture_intermediates` gets them stacked over layers
+[L, ...]. Unwrapped, the taps cost nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxinfer.model import capture
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.layers import apply_rope, gated_mlp, layer_rope, linear, rms_norm
 from jaxinfer.model.params import Params, compute_dtype
@@ -30,6 +35,14 @@ from jaxinfer.ops.attention import (
     xla_attention,
 )
 from jaxinfer.ops.types import NO_WINDOW, AttentionMetadata
+
+TAPS = {  # the intermediates each layer marks, and the weights that read them
+    "attn_in": "[B, T, d_model] normed layer input: read by q_proj, k_proj, v_proj",
+    "attn_out": "[B, T, heads * head_dim] attention output: read by o_proj",
+    "mlp_in": "[B, T, d_model] normed MLP input: read by gate_proj, up_proj",
+    "mlp_hidden": "[B, T, ffn] act(gate(x)) * up(x): read by down_proj",
+    "layer_out": "[B, T, d_model] the residual stream after the layer",
+}
 
 
 @struct.dataclass
@@ -121,26 +134,10 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:
     """Run all layers; writes the new K/V into the pool. Returns hidden [B, T, d_model].
 
-    `unroll_layers` unrolls the layer scan: for XLA's cost analysis, which counts a
-    loop body once whatever its trip count.
+    `unroll_layers` unrolls the layer scan into one copy of the body per layer: the
+    same math and a longer compile, for XLA's cost analysis (which counts a loop body
+    once whatever its trip count) or for comparing schedules.
     """
-    h, kv, _ = _run_layers(params, config, tokens, kv, meta, block_size, attention_fn, False,
-                           unroll_layers)
-    return h, kv
-
-
-def _run_layers(
-    params: Params,
-    config: ModelConfig,
-    tokens: jax.Array,  # [B, T] int32
-    kv: KVCache,
-    meta: AttentionMetadata,
-    block_size: int,
-    attention_fn: AttentionFn,
-    record_inputs: bool,
-    unroll: bool = False,
-) -> tuple[jax.Array, KVCache, dict[str, jax.Array]]:
-    """The layer scan; with `record_inputs`, also each layer's matmul inputs."""
     h = embed_tokens(params, config, tokens)
     rope = layer_rope(config, meta.positions)
     is_local = jnp.array([t == "local" for t in config.layer_types], jnp.int32)  # [L]
@@ -150,15 +147,33 @@ def _run_layers(
         h, kv = carry
         layer, index, local, window = xs
         cos, sin = rope["cos"][local], rope["sin"][local]
-        h, kv, taps = _decoder_layer(
-            config, layer, h, kv, index, meta, cos, sin, window,
-            block_size=block_size, attention_fn=attention_fn, record_inputs=record_inputs,
-        )
-        return (h, kv), taps
+        h, kv = _decoder_layer(config, layer, h, kv, index, meta, cos, sin, window,
+                               block_size=block_size, attention_fn=attention_fn)
+        return (h, kv), None
 
     xs = (params["layers"], jnp.arange(config.num_layers), is_local, windows)
-    (h, kv), taps = jax.lax.scan(body, (h, kv), xs, unroll=config.num_layers if unroll else 1)
-    return h, kv, taps
+    (h, kv), _ = capture.scan(body, (h, kv), xs,
+                              unroll=config.num_layers if unroll_layers else 1)
+    return h, kv
+
+
+def dense_forward(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Hidden states [B, T, d_model] at every position of tokens [B, T], from position 0.
+
+    No cache to keep: each sequence writes its K/V into a throwaway block of T rows.
+    For calibration and scoring a whole text at once.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    b, t = tokens.shape
+    kv = init_kv_cache(config, b * t, compute_dtype(params))
+    meta = AttentionMetadata(
+        positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+        slot_mapping=jnp.arange(b * t, dtype=jnp.int32).reshape(b, t),
+        block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
+        context_lens=jnp.full((b,), t, jnp.int32),
+    )
+    h, _ = forward(params, config, tokens, kv, meta, block_size=t)
+    return h
 
 
 def _decoder_layer(
@@ -174,11 +189,9 @@ def _decoder_layer(
     *,
     block_size: int,
     attention_fn: AttentionFn,
-    record_inputs: bool = False,
-) -> tuple[jax.Array, KVCache, dict[str, jax.Array]]:
+) -> tuple[jax.Array, KVCache]:
     eps, offset = config.norm_eps, config.norm_offset
-    x = rms_norm(h, layer["attn_norm"], eps, offset)
-    taps = {"q_proj": x}
+    x = capture.tap("attn_in", rms_norm(h, layer["attn_norm"], eps, offset))
     q, k, v = _project_qkv(config, layer, x, cos, sin)
     kv = write_kv_cache(kv, index, k, v, meta.slot_mapping)
     attn = attention_fn(
@@ -186,18 +199,16 @@ def _decoder_layer(
         window=window, softcap=config.attn_logit_softcap, k_scale=kv.k_scale,
         v_scale=kv.v_scale,
     )
-    attn = attn.reshape(*attn.shape[:2], -1)
-    taps["o_proj"] = attn
+    attn = capture.tap("attn_out", attn.reshape(*attn.shape[:2], -1))
     out = linear(attn, layer["o_proj"])
     if config.sandwich_norms:
         out = rms_norm(out, layer["post_attn_norm"], eps, offset)
     h = h + out
-    x = rms_norm(h, layer["mlp_norm"], eps, offset)
-    taps["gate_proj"] = x
-    out, taps["down_proj"] = gated_mlp(x, layer, config.activation)
+    x = capture.tap("mlp_in", rms_norm(h, layer["mlp_norm"], eps, offset))
+    out = gated_mlp(x, layer, config.activation)
     if config.sandwich_norms:
         out = rms_norm(out, layer["post_mlp_norm"], eps, offset)
-    return h + out, kv, taps if record_inputs else {}
+    return capture.tap("layer_out", h + out), kv
 
 
 def _project_qkv(
@@ -213,37 +224,3 @@ def _project_qkv(
         q = rms_norm(q, layer["q_norm"], config.norm_eps, config.norm_offset)
         k = rms_norm(k, layer["k_norm"], config.norm_eps, config.norm_offset)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def full_logits(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Logits at every position of tokens [B, T] (positions 0..T-1) -> [B, T, vocab].
-
-    A convenience for tests and scoring: one block of T rows per sequence.
-    """
-    h, _ = _dense_forward(params, config, tokens, record_inputs=False)
-    return lm_head(params, config, h)
-
-
-def matmul_inputs(params: Params, config: ModelConfig, tokens: jax.Array) -> dict[str, jax.Array]:
-    """Calibration: every layer's matmul inputs over tokens [B, T], stacked [L, B, T, in],
-    keyed by the first weight reading them (q_proj: also k/v; gate_proj: also up)."""
-    _, taps = _dense_forward(params, config, tokens, record_inputs=True)
-    return taps
-
-
-def _dense_forward(
-    params: Params, config: ModelConfig, tokens: jax.Array, *, record_inputs: bool
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """All positions of tokens [B, T] from position 0, one KV block of T rows each."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    b, t = tokens.shape
-    kv = init_kv_cache(config, b * t, compute_dtype(params))
-    meta = AttentionMetadata(
-        positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-        slot_mapping=jnp.arange(b * t, dtype=jnp.int32).reshape(b, t),
-        block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
-        context_lens=jnp.full((b,), t, jnp.int32),
-    )
-    h, _, taps = _run_layers(params, config, tokens, kv, meta, t, xla_attention,
-                             record_inputs)
-    return h, taps

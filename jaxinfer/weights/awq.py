@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.model.capture import capture_intermediates
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.transformer import matmul_inputs
+from jaxinfer.model.transformer import dense_forward
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.weights.quantize import (
     DEFAULT_GROUP_SIZE,
@@ -39,8 +40,8 @@ CALIBRATION_MODULES = ("argparse", "asyncio", "collections", "csv", "datetime", 
 ALPHAS = tuple(i / 10 for i in range(11))
 CALIBRATION_TOKENS = 512
 SAMPLED_ROWS = 256
-INPUT_OF = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj": "o_proj",
-            "gate_proj": "gate_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
+INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
+            "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_hidden"}  # model taps
 
 
 def calibration_tokens(
@@ -81,9 +82,11 @@ def quantize_awq(
 def _calibration_inputs(
     params: dict[str, Any], config: ModelConfig, tokens: np.ndarray, seed: int
 ) -> dict[str, np.ndarray]:
-    """Each layer's matmul inputs on the calibration tokens, SAMPLED_ROWS rows: [L, n, in]."""
-    run = jax.jit(matmul_inputs, static_argnums=1)
-    taps = run(jax.tree.map(np.asarray, params), config, tokens[None])
+    """Each layer's matmul inputs on the calibration tokens, SAMPLED_ROWS rows: [L, n, in],
+    keyed by tap name (`INPUT_OF`)."""
+    run = jax.jit(capture_intermediates(dense_forward, set(INPUT_OF.values())),
+                  static_argnums=1)
+    _, taps = run(jax.tree.map(np.asarray, params), config, tokens[None])
     rows = np.random.default_rng(seed).permutation(len(tokens))[:SAMPLED_ROWS]
     return {name: np.asarray(x[:, 0, rows], np.float32) for name, x in taps.items()}
 
