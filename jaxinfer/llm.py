@@ -133,8 +133,9 @@ class LLM:
         while pending:
             for delta in self.engine.step():
                 if on_token is not None and delta.request_id in pending:
-                    on_token(delta.request, delta.request.outputs[delta.index], delta.text)
-                if delta.request.finished and delta.request_id in pending:
+                    request = self.engine.get_request(delta.request_id)
+                    on_token(request, request.outputs[delta.index], delta.text)
+                if delta.request_finished and delta.request_id in pending:
                     pending.discard(delta.request_id)
                     if bar is not None:
                         bar.update()

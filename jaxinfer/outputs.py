@@ -88,14 +88,27 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
-@dataclass
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one sample, taken when its stream ends."""
+
+    prompt_tokens: int
+    completion_tokens: int  # this sample's
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    ttft: float | None  # seconds from arrival to the request's first token
+
+
+@dataclass(frozen=True)
 class StreamDelta:
-    """What one engine step added to one sample of one request."""
+    """What one engine step added to one sample of one request: a value, copied out of
+    the engine's state when made, so it never changes after it is handed over."""
 
     request_id: str
     index: int  # sample index
     text: str  # text delta
-    token_ids: list[int]  # new token ids
-    logprobs: list[Logprobs] | None
-    finish_reason: str | None
-    request: RequestOutput  # the cumulative output so far
+    token_ids: tuple[int, ...]  # new token ids
+    logprobs: tuple[Logprobs, ...] | None
+    finish_reason: str | None  # set on the sample's last delta
+    request_finished: bool = False  # every sample of the request has ended with this delta
+    usage: Usage | None = None  # on the sample's last delta
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None  # on sample 0's first token

@@ -8,13 +8,11 @@ device loop. Sampling settings are validated by `jaxinfer.SamplingParams`.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.errors import ConfigError, JaxinferError, RequestError
-from jaxinfer.outputs import Logprobs, RequestOutput, StreamDelta
+from jaxinfer.outputs import Logprobs, StreamDelta, Usage
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 from serve.proto.jaxinfer.v1 import inference_pb2 as pb
@@ -108,9 +106,7 @@ def token_ids(ids: Sequence[int], vocab_size: int, field: str = "token_ids") -> 
 # --------------------------------------------------------------------------- responses
 
 
-def response(
-    delta: StreamDelta, num_logprobs: int = 0, with_prompt_logprobs: bool = False
-) -> pb.GenerateResponse:
+def response(delta: StreamDelta, num_logprobs: int = 0) -> pb.GenerateResponse:
     """One stream message; the last one of a sample carries finish_reason and usage.
     `num_logprobs` is the request's `logprobs` (top candidates per token)."""
     out = pb.GenerateResponse(
@@ -120,45 +116,11 @@ def response(
     if delta.logprobs:
         out.logprobs.extend(token_logprobs(entry, tok, num_logprobs)
                             for entry, tok in zip(delta.logprobs, delta.token_ids, strict=True))
-    if with_prompt_logprobs and delta.request.prompt_logprobs:
-        out.prompt_logprobs.extend(_prompt_scores(delta.request.prompt_logprobs))
-    if delta.finish_reason is not None:
-        out.usage.CopyFrom(usage(delta))
+    if delta.prompt_logprobs:
+        out.prompt_logprobs.extend(_prompt_scores(delta.prompt_logprobs))
+    if delta.usage is not None:
+        out.usage.CopyFrom(usage(delta.usage))
     return out
-
-
-@dataclass
-class Progress:
-    """What one stream has sent per sample: tokens, characters, whether it ended."""
-
-    tokens: Counter[int] = field(default_factory=Counter)
-    chars: Counter[int] = field(default_factory=Counter)
-    ended: set[int] = field(default_factory=set)
-    sent_prompt_logprobs: bool = False
-
-    def message(self, delta: StreamDelta, num_logprobs: int) -> pb.GenerateResponse:
-        with_prompt = not self.sent_prompt_logprobs and delta.index == 0
-        self.sent_prompt_logprobs |= with_prompt
-        self.tokens[delta.index] += len(delta.token_ids)
-        self.chars[delta.index] += len(delta.text)
-        if delta.finish_reason is not None:
-            self.ended.add(delta.index)
-        return response(delta, num_logprobs, with_prompt)
-
-    def closing_messages(
-        self, request: RequestOutput, num_logprobs: int
-    ) -> list[pb.GenerateResponse]:
-        """The rest of every finished sample whose last message was not sent."""
-        messages = []
-        for out in request.outputs:
-            if out.index in self.ended or out.finish_reason is None:
-                continue
-            sent = self.tokens[out.index]
-            logprobs = out.logprobs[sent:] if out.logprobs is not None else None
-            rest = StreamDelta(request.request_id, out.index, out.text[self.chars[out.index]:],
-                               out.token_ids[sent:], logprobs, out.finish_reason, request)
-            messages.append(self.message(rest, num_logprobs))
-        return messages
 
 
 def token_logprobs(entry: Logprobs, token: int, k: int) -> pb.TokenLogprobs:
@@ -173,12 +135,8 @@ def _prompt_scores(entries: Sequence[Logprobs | None]) -> list[float]:
     return [next(iter(e.values())) for e in entries[1:] if e is not None]
 
 
-def usage(delta: StreamDelta) -> pb.Usage:
-    metrics = delta.request.metrics
-    sample = delta.request.outputs[delta.index]
-    if metrics is None:
-        return pb.Usage(completion_tokens=len(sample.token_ids))
+def usage(counts: Usage) -> pb.Usage:
     return pb.Usage(
-        prompt_tokens=metrics.prompt_tokens, completion_tokens=len(sample.token_ids),
-        cached_tokens=metrics.cached_tokens, ttft_seconds=metrics.ttft or 0.0,
+        prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens,
+        cached_tokens=counts.cached_tokens, ttft_seconds=counts.ttft or 0.0,
     )

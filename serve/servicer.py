@@ -28,7 +28,7 @@ import grpc
 
 from jaxinfer.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxinfer.errors import ConfigError, RequestError
-from jaxinfer.outputs import RequestOutput, StreamDelta
+from jaxinfer.outputs import StreamDelta
 from serve import convert
 from serve.config import ServerConfig
 from serve.metrics import ServerMetrics
@@ -176,22 +176,9 @@ class InferenceServicer:
 async def _messages(
     deltas: AsyncIterator[StreamDelta], num_logprobs: int
 ) -> AsyncIterator[pb.GenerateResponse]:
-    """Stream messages for the deltas, then a closing message for any sample whose
-    last delta did not come through.
-
-    AsyncLLMEngine.generate stops once the cumulative `delta.request` reads
-    finished, and the engine thread may finish it while earlier deltas are still
-    queued, so a sample's last delta can go missing; the closing message carries
-    what is missing (tokens, text, finish_reason, usage) from the final output.
-    """
-    progress = convert.Progress()
-    request: RequestOutput | None = None
+    """One stream message per delta; every sample's last delta carries its usage."""
     async for delta in deltas:
-        request = delta.request
-        yield progress.message(delta, num_logprobs)
-    if request is not None and request.finished:
-        for message in progress.closing_messages(request, num_logprobs):
-            yield message
+        yield convert.response(delta, num_logprobs)
 
 
 def _checked(request: Any) -> Any:

@@ -4,6 +4,7 @@ compilations, the asyncio face and the Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,23 @@ def test_abort_frees_blocks_and_spares_the_others(llama, baseline) -> None:
         engine.step()
     assert keeper.token_ids == baseline[1]
     assert engine.blocks.num_used == 0
+
+
+def test_deltas_are_values_and_outputs_do_not_share_engine_state(llama, baseline) -> None:
+    engine = LLMEngine(llama, EngineConfig(max_model_len=64, max_num_seqs=4, block_size=4))
+    output = engine.add_request("r", prompt_token_ids=PROMPTS[0], params=GREEDY)
+    deltas = engine.step()
+    output.outputs[0].token_ids.clear()  # the caller's list: the sequence must not notice
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert [t for d in deltas for t in d.token_ids] == baseline[0]
+    assert all(isinstance(d.token_ids, tuple) for d in deltas)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        deltas[0].text = "changed"  # type: ignore[misc]
+    assert [d.request_finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert all(d.usage is None for d in deltas[:-1])
+    usage = deltas[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPTS[0]), len(baseline[0]))
 
 
 def test_no_compilation_after_warmup(llama) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from jaxinfer.outputs import StreamDelta, Usage
 from jaxinfer.sampling import SamplingParams
 from serve import convert
 from serve.gen_proto import GENERATED, PROTO_FILE, PROTO_ROOT, generate
@@ -94,17 +94,10 @@ def test_sampling_params_keep_defaults_and_every_set_field() -> None:
         convert.sampling_params(pb.SamplingParams(top_p=0.0))  # set to 0 is not "unset"
 
 
-def _request(tokens: list[int], finish: str | None) -> RequestOutput:
-    metrics = RequestMetrics(arrival_time=0.0, first_token_time=0.25, prompt_tokens=3,
-                             cached_tokens=2)
-    logprobs = [{t: -1.0, 9: -0.5} for t in tokens]
-    sample = CompletionOutput(0, "ab", tokens, finish, logprobs)
-    return RequestOutput("r1", None, [1, 2, 3], [sample], metrics=metrics)
-
-
 def test_response_carries_logprobs_and_usage_on_the_last_message() -> None:
-    request = _request([5, 6], "length")
-    delta = StreamDelta("r1", 0, "b", [6], [{6: -1.0, 9: -0.5}], "length", request)
+    usage = Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=2, ttft=0.25)
+    delta = StreamDelta("r1", 0, "b", (6,), ({6: -1.0, 9: -0.5},), "length",
+                        request_finished=True, usage=usage)
     message = convert.response(delta, num_logprobs=1)
     assert list(message.token_ids) == [6] and message.text == "b"
     assert message.finish_reason == pb.FINISH_REASON_LENGTH
@@ -114,13 +107,10 @@ def test_response_carries_logprobs_and_usage_on_the_last_message() -> None:
             message.usage.cached_tokens, message.usage.ttft_seconds) == (3, 2, 2, 0.25)
 
 
-def test_progress_closes_a_sample_whose_last_delta_was_missed() -> None:
-    request = _request([5, 6, 7], "length")
-    progress = convert.Progress()
-    first = StreamDelta("r1", 0, "a", [5], [{5: -1.0, 9: -0.5}], None, request)
-    assert not progress.message(first, 1).HasField("usage")
-    (closing,) = progress.closing_messages(request, 1)
-    assert list(closing.token_ids) == [6, 7] and closing.text == "b"
-    assert closing.finish_reason == pb.FINISH_REASON_LENGTH
-    assert closing.usage.completion_tokens == 3
-    assert progress.closing_messages(request, 1) == []
+def test_a_middle_message_has_no_usage_and_the_first_carries_prompt_logprobs() -> None:
+    first = StreamDelta("r1", 0, "a", (5,), None, None,
+                        prompt_logprobs=(None, {7: -0.5}, {8: -1.5}))
+    message = convert.response(first)
+    assert not message.HasField("usage") and list(message.prompt_logprobs) == [-0.5, -1.5]
+    later = convert.response(StreamDelta("r1", 0, "b", (6,), None, None))
+    assert not later.HasField("usage") and not later.prompt_logprobs

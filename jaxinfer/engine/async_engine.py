@@ -72,7 +72,7 @@ class AsyncLLMEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine loop failed: {item!r}") from item
-                done += item.finish_reason is not None  # this delta's own, not the shared one
+                done += item.finish_reason is not None
                 yield item
         finally:
             self._close(request_id, done >= samples)
@@ -133,7 +133,7 @@ class AsyncLLMEngine:
             with self._lock:
                 stream = self._streams.get(delta.request_id)
             if stream is None:  # the consumer left; release once the request is over
-                if delta.request.finished:
+                if delta.request_finished:
                     self._release_when_done(delta.request_id)
                 continue
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)

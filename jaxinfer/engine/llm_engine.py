@@ -28,7 +28,14 @@ from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
 from jaxinfer.engine.scheduler import Sequence as SchedSeq
 from jaxinfer.errors import ConfigError, RequestError
-from jaxinfer.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput, StreamDelta
+from jaxinfer.outputs import (
+    CompletionOutput,
+    Logprobs,
+    RequestMetrics,
+    RequestOutput,
+    StreamDelta,
+    Usage,
+)
 from jaxinfer.runner import (
     MIN_PREFILL_BUCKET,
     CacheConfig,
@@ -233,7 +240,7 @@ class LLMEngine:
                            wait_for=first, use_prefix_cache=params.prompt_logprobs is None)
             first = first or seq
             logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
-            completion = CompletionOutput(index, "", seq.output_ids, None, logprobs)
+            completion = CompletionOutput(index, "", [], None, logprobs)
             output.outputs.append(completion)
             request.samples.append(_Sample(
                 seq, completion, request, (base_seed + index) % (1 << 63),
@@ -353,6 +360,7 @@ class LLMEngine:
         token = int(result.tokens[row])
         request, out = sample.request, sample.output
         sample.seq.output_ids.append(token)
+        out.token_ids.append(token)
         now = time.perf_counter()
         metrics = request.metrics
         if sample.seq.sample_index == 0:
@@ -374,9 +382,17 @@ class LLMEngine:
     def _delta(
         self, sample: _Sample, tokens: list[int], text: str, logprobs: list[Logprobs] | None
     ) -> StreamDelta:
-        out = sample.output
-        return StreamDelta(sample.request.output.request_id, out.index, text, tokens, logprobs,
-                           out.finish_reason, sample.request.output)
+        """A value copy of what the step added: later steps never change it."""
+        out, request = sample.output, sample.request.output
+        first_token = sample.seq.sample_index == 0 and len(out.token_ids) == 1 and tokens
+        prompt_logprobs = request.prompt_logprobs if first_token else None
+        return StreamDelta(
+            request.request_id, out.index, text, tuple(tokens),
+            None if logprobs is None else tuple(logprobs), out.finish_reason,
+            request_finished=request.finished,
+            usage=_usage(sample) if out.finish_reason is not None else None,
+            prompt_logprobs=None if prompt_logprobs is None else tuple(prompt_logprobs),
+        )
 
     def _retire(self, sample: _Sample) -> None:
         if not sample.stopped_by_string and sample.detokenizer is not None:
@@ -442,6 +458,13 @@ def _group_by_bucket(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
     for chunk in chunks:
         groups[next_power_of_two(chunk.num_tokens, MIN_PREFILL_BUCKET)].append(chunk)
     return list(groups.values())
+
+
+def _usage(sample: _Sample) -> Usage:
+    metrics = sample.request.metrics
+    return Usage(prompt_tokens=metrics.prompt_tokens,
+                 completion_tokens=len(sample.seq.output_ids),
+                 cached_tokens=metrics.cached_tokens, ttft=metrics.ttft)
 
 
 def _token_logprobs(result: StepResult, row: int, token: int, top: int) -> Logprobs:
