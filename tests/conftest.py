@@ -1,4 +1,10 @@
-"""Shared fixtures: the real Gemma 3 270M is loaded once per test session."""
+"""Shared fixtures: the real Gemma 3 270M is loaded once per test session.
+
+Every test that loads the real model's weights carries the `real_model` marker,
+so `pytest -m "not real_model"` is the fast subset. Tests that use the fixtures
+below get the marker here, mechanically; the few that load the model another
+way (their own fixture, or the CLI's default model) mark themselves.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,13 @@ from jaxinfer import LLM
 from jaxinfer.weights import LoadedModel, load_model
 
 DATA = Path(__file__).parent / "data"
+REAL_MODEL_FIXTURES = frozenset({"gemma", "gemma_llm"})
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
 
 
 @pytest.fixture(scope="session")

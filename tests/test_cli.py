@@ -17,6 +17,7 @@ def jaxinfer(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.real_model
 def test_convert_then_generate_from_the_checkpoint(tmp_path: Path, reference: dict) -> None:
     case = reference["cases"]["english"]
     converted = jaxinfer("convert", "gemma3-270m", str(tmp_path / "ckpt"))
