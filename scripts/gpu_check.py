@@ -3,7 +3,8 @@
     python scripts/gpu_check.py --out results.json
 
 1. Compiles the flash-prefill and paged-decode kernels for real (interpret=False)
-   and compares them with the jnp reference on random paged inputs.
+   and compares them with the jnp reference on random paged inputs (built by
+   tests/paged_inputs.py, as in the kernel tests).
 2. Times decode attention at batch 64, context 4,096 (Gemma 3 270M shapes and a
    Llama-like GQA shape) against the XLA reference, and reports the achieved
    HBM bandwidth: K/V bytes read / time.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,23 +31,16 @@ from pallas_kernels.flash_prefill import flash_prefill_attention
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_attention_reference
 
+# The kernel tests' input builder: the GPU checks the same layouts the CPU tests do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from paged_inputs import LAYER, PagedInputs, make_paged_inputs
 
-def paged_inputs(batch: int, q_len: int, context: int, heads: int, kv_heads: int, head_dim: int,
-                 block_size: int, dtype: jnp.dtype, seed: int = 0):
-    """Random q, pools and (positions, block_tables, context_lens); each row's blocks are
-    scattered over the pool."""
-    rng = np.random.default_rng(seed)
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq + 7
-    tables = rng.permutation(num_blocks)[: batch * blocks_per_seq].reshape(batch, -1)
-    shape = (1, num_blocks * block_size, kv_heads, head_dim)
-    k = jnp.asarray(rng.standard_normal(shape), dtype)
-    v = jnp.asarray(rng.standard_normal(shape), dtype)
-    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, head_dim)), dtype)
-    positions = np.arange(context - q_len, context, dtype=np.int32)[None].repeat(batch, 0)
-    paging = (jnp.asarray(positions), jnp.asarray(tables, jnp.int32),
-              jnp.full((batch,), context, jnp.int32))
-    return q, k, v, paging
+
+def paged_inputs(batch: int, q_len: int, context: int, heads: int, kv_heads: int,
+                 head_dim: int, dtype: jnp.dtype) -> PagedInputs:
+    """`batch` rows of `context` tokens each, running their last `q_len`."""
+    return make_paged_inputs([context] * batch, [q_len] * batch, kv_heads=kv_heads,
+                             group=heads // kv_heads, head_dim=head_dim, dtype=dtype)
 
 
 def timed(fn: Callable[[], jax.Array], repeats: int = 20) -> float:
@@ -68,10 +63,11 @@ def check_kernels() -> list[dict]:
         (paged_decode_attention, 1, 777, 8, 1, 64, 100, jnp.bfloat16),
     ]
     for kernel, q_len, context, heads, kv_heads, hd, window, dtype in cases:
-        q, k, v, paging = paged_inputs(4, q_len, context, heads, kv_heads, hd, 16, dtype)
-        kwargs = dict(block_size=16, scale=hd**-0.5, window=window)
-        got = jax.jit(lambda *a, kernel=kernel, kw=kwargs: kernel(*a, **kw))(q, k, v, 0, *paging)
-        want = paged_attention_reference(q, k, v, 0, *paging, **kwargs)
+        p = paged_inputs(4, q_len, context, heads, kv_heads, hd, dtype)
+        args = (p.q, p.k_pool, p.v_pool, LAYER, *p.paging)
+        kwargs = dict(block_size=p.block_size, scale=p.scale, window=window)
+        got = jax.jit(lambda *a, kernel=kernel, kw=kwargs: kernel(*a, **kw))(*args)
+        want = paged_attention_reference(*args, **kwargs)
         error = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
         results.append({"kernel": kernel.__name__, "q_len": q_len, "context": context,
                         "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
@@ -82,17 +78,16 @@ def check_kernels() -> list[dict]:
 
 
 def time_decode(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> dict:
-    batch, context, block_size = 64, 4096, 16
-    q, k, v, paging = paged_inputs(batch, 1, context, heads, kv_heads, head_dim, block_size,
-                                   dtype)
-    kwargs = dict(block_size=block_size, scale=head_dim**-0.5, window=NO_WINDOW)
+    batch, context = 64, 4096
+    p = paged_inputs(batch, 1, context, heads, kv_heads, head_dim, dtype)
+    kwargs = dict(block_size=p.block_size, scale=p.scale, window=NO_WINDOW)
     pallas = jax.jit(lambda *a: paged_decode_attention(*a, **kwargs))
     xla = jax.jit(lambda *a: paged_attention_reference(*a, **kwargs))
     kv_bytes = 2 * batch * context * kv_heads * head_dim * jnp.dtype(dtype).itemsize
     result = {"batch": batch, "context": context, "heads": heads, "kv_heads": kv_heads,
               "head_dim": head_dim, "dtype": jnp.dtype(dtype).name, "kv_bytes": kv_bytes}
     for name, fn in (("pallas", pallas), ("xla", xla)):
-        seconds = timed(lambda fn=fn: fn(q, k, v, 0, *paging))
+        seconds = timed(lambda fn=fn: fn(p.q, p.k_pool, p.v_pool, LAYER, *p.paging))
         result[f"{name}_ms"] = seconds * 1e3
         result[f"{name}_GBps"] = kv_bytes / seconds / 1e9
     return result

@@ -1,17 +1,34 @@
-"""Shared fixtures: the real Gemma 3 270M is loaded once per test session."""
+"""Shared fixtures: the real Gemma 3 270M is loaded once per test session.
+
+Every test that loads the real model's weights carries the `real_model` marker,
+so `pytest -m "not real_model"` is the fast subset. Tests that use the fixtures
+below get the marker here, mechanically; the few that load the model another
+way (their own fixture, or the CLI's default model) mark themselves.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from jaxinfer import LLM
 from jaxinfer.weights import LoadedModel, load_model
 
 DATA = Path(__file__).parent / "data"
+TINY = DATA / "tiny"
+REAL_MODEL_FIXTURES = frozenset({"gemma", "gemma_llm"})
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +45,27 @@ def gemma() -> LoadedModel:
 @pytest.fixture(scope="session")
 def gemma_llm(gemma: LoadedModel) -> LLM:
     return LLM(loaded=gemma, max_model_len=2048, max_num_seqs=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama HF folder plus a BPE tokenizer of exactly its 256 ids, so text
+    prompts (lower-case letters and spaces) reach a model that compiles in seconds."""
+    folder = tmp_path_factory.mktemp("tiny_llama_with_tokenizer")
+    for file in (TINY / "llama").iterdir():
+        shutil.copy(file, folder)
+    tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    syllables = ["ka", "to", "ri", "me", "sun", "lo", "pa", "ne", "the", "cat", "sat", "on",
+                 "mat"]
+    words = ("".join(w) for w in itertools.product(syllables, repeat=3))
+    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator([" ".join(words)], trainer)
+    assert tokenizer.get_vocab_size() == 256  # every id the model can sample decodes
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)])  # the model's bos_token_id
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return folder

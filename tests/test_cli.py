@@ -1,4 +1,5 @@
-"""The `jaxinfer` command end to end: a real subprocess on the real model, and bad input."""
+"""The `jaxinfer` command end to end on a tiny model: convert, then generate in a real
+subprocess (exit code, JSON on stdout, timing on stderr), and bad input."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli import main
+from jaxinfer.weights import load_model
+
+PROMPT = "the cat sat on the mat"
 
 
 def jaxinfer(*args: str) -> subprocess.CompletedProcess:
@@ -17,16 +22,20 @@ def jaxinfer(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_convert_then_generate_from_the_checkpoint(tmp_path: Path, reference: dict) -> None:
-    case = reference["cases"]["english"]
-    converted = jaxinfer("convert", "gemma3-270m", str(tmp_path / "ckpt"))
-    assert converted.returncode == 0, converted.stderr
-    run = jaxinfer("generate", case["prompt"], "--model", str(tmp_path / "ckpt"),
-                   "--max-tokens", "8", "--json", "--max-model-len", "256")
+def test_convert_then_generate_from_the_checkpoint(
+    tmp_path: Path, tiny_llama_with_tokenizer: Path
+) -> None:
+    """The checkpoint generates what the source folder generates in process."""
+    source = load_model(tiny_llama_with_tokenizer)
+    want = LLM(loaded=source, max_model_len=64, max_num_seqs=1).generate(
+        PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
+    assert main(["convert", str(tiny_llama_with_tokenizer), str(tmp_path / "ckpt")]) == 0
+    run = jaxinfer("generate", PROMPT, "--model", str(tmp_path / "ckpt"),
+                   "--max-tokens", "8", "--json", "--max-model-len", "64")
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
-    assert result["prompt_token_ids"] == case["prompt_ids"]
-    assert result["token_ids"] == case["greedy_ids"][:8]
+    assert result["prompt_token_ids"] == source.tokenizer.encode(PROMPT)
+    assert result["token_ids"] == want.token_ids and result["text"] == want.text
     assert result["finish_reason"] == "length"
     assert "first token" in run.stderr
 

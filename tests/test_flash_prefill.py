@@ -1,8 +1,8 @@
 """Flash prefill kernel (Pallas, interpret mode) against the paged reference and dense attention.
 
-Every case builds a contiguous K/V per sequence, scatters it into a paged pool
-through a random NON-contiguous block table (permuted blocks with unused ones
-in between, a second layer of noise), then compares, on real query slots only:
+Every case holds a contiguous K/V per sequence in a paged pool behind a random
+NON-contiguous block table (tests/paged_inputs.py: permuted blocks with unused
+ones in between, a second layer of noise), then compares, on real query slots only:
 the kernel against `paged_attention_reference`, and the kernel against a dense
 causal attention computed here in float64 numpy straight from contiguous K/V.
 Shapes are shared between cases so each jitted function compiles a few times.
@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_inputs import LAYER, PagedInputs, make_paged_inputs
 
 from jaxinfer.ops.types import NO_WINDOW
 from pallas_kernels.flash_prefill import flash_prefill_attention, reference
 
-LAYER = 1  # read layer 1 of a 2-layer pool: layer 0 is noise
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 _kernel = jax.jit(
@@ -45,85 +45,34 @@ class Shape:
     block_size: int = 16
     spare_blocks: int = 7  # unused pool blocks scattered between the used ones
 
-    @property
-    def heads(self) -> int:
-        return self.groups * self.kv_heads
-
-    @property
-    def scale(self) -> float:
-        return self.head_dim**-0.5
-
-
-@dataclasses.dataclass
-class Problem:
-    shape: Shape
-    q: np.ndarray  # [B, T, H, hd] in shape.dtype
-    k_pool: np.ndarray  # [2, rows, KV, hd]
-    v_pool: np.ndarray  # [2, rows, KV, hd]
-    block_tables: np.ndarray  # [B, max_blocks]
-    positions: np.ndarray  # [B, T]
-    context_lens: list[int]
-    q_lens: list[int]  # real query slots per row
-    k_dense: np.ndarray  # [B, C, KV, hd] float64, contiguous per sequence
-    v_dense: np.ndarray  # [B, C, KV, hd]
-
-    @property
-    def paging(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The kernels' positions, block tables and context lengths, in argument order."""
-        return (jnp.asarray(self.positions), jnp.asarray(self.block_tables),
-                jnp.asarray(self.context_lens, jnp.int32))
-
 
 GEMMA = Shape(batch=2, seq=48, groups=4, kv_heads=1, head_dim=256, max_blocks=4)
 GEMMA_BF16 = dataclasses.replace(GEMMA, dtype=jnp.bfloat16)
 
 
-def make_problem(shape: Shape, context_lens: list[int], q_lens: list[int], seed: int = 0):
-    """Random q/K/V (numpy only); K/V written to the pool through a shuffled block table."""
-    rng = np.random.default_rng(seed)
-    b, bs, c = shape.batch, shape.block_size, shape.max_blocks * shape.block_size
-    num_blocks = b * shape.max_blocks + shape.spare_blocks
-    tables = rng.permutation(num_blocks)[: b * shape.max_blocks].reshape(b, -1)
-    rows = (tables[:, :, None] * bs + np.arange(bs)).reshape(b, c)  # [B, C]
-    kv_shape = (2, num_blocks * bs, shape.kv_heads, shape.head_dim)
-    k_pool = rng.standard_normal(kv_shape).astype(shape.dtype)
-    v_pool = rng.standard_normal(kv_shape).astype(shape.dtype)
-    q = rng.standard_normal((b, shape.seq, shape.heads, shape.head_dim)).astype(shape.dtype)
-    positions = _positions(rng, shape.seq, context_lens, q_lens)
-    k_dense = k_pool[LAYER][rows].astype(np.float64)
-    v_dense = v_pool[LAYER][rows].astype(np.float64)
-    return Problem(
-        shape,
-        q,
-        k_pool,
-        v_pool,
-        tables.astype(np.int32),
-        positions,
-        list(context_lens),
-        list(q_lens),
-        k_dense,
-        v_dense,
+def make_problem(shape: Shape, context_lens: list[int], q_lens: list[int],
+                 seed: int = 0) -> PagedInputs:
+    """Random q/K/V of one shape family; K/V in the pool through a shuffled block table."""
+    assert len(context_lens) == shape.batch
+    return make_paged_inputs(
+        context_lens, q_lens, seq=shape.seq, kv_heads=shape.kv_heads, group=shape.groups,
+        head_dim=shape.head_dim, block_size=shape.block_size, max_blocks=shape.max_blocks,
+        dtype=shape.dtype, spare_blocks=shape.spare_blocks, seed=seed,
     )
 
 
-def _positions(rng, seq: int, context_lens: list[int], q_lens: list[int]) -> np.ndarray:
-    """[B, T] chunk positions ending at context_len - 1; garbage in padding slots."""
-    pos = rng.integers(-100, 5000, size=(len(context_lens), seq))
-    for b, (ctx, n) in enumerate(zip(context_lens, q_lens, strict=True)):
-        assert 0 < n <= min(ctx, seq)
-        pos[b, :n] = np.arange(ctx - n, ctx)
-    return pos.astype(np.int32)
-
-
-def dense_attention(p: Problem, window: int, softcap: float | None = None) -> list[np.ndarray]:
+def dense_attention(p: PagedInputs, window: int,
+                    softcap: float | None = None) -> list[np.ndarray]:
     """Per row [q_len, H, hd]: causal softmax attention over contiguous K/V, float64."""
-    g, hd = p.shape.groups, p.shape.head_dim
+    hd = p.q.shape[-1]
+    g = p.q.shape[2] // p.k_seq.shape[2]
+    q_all = np.asarray(p.q.astype(jnp.float32), np.float64)  # [B, T, H, hd]
     outs = []
     for b, n in enumerate(p.q_lens):
-        ctx = p.context_lens[b]
-        q = p.q[b, :n].astype(np.float64).reshape(n, -1, g, hd)  # [n, KV, G, hd]
-        k, v = p.k_dense[b, :ctx], p.v_dense[b, :ctx]  # [ctx, KV, hd]
-        s = np.einsum("nkgd,ckd->nkgc", q, k) * p.shape.scale
+        ctx = int(p.ctx[b])
+        q = q_all[b, :n].reshape(n, -1, g, hd)  # [n, KV, G, hd]
+        k, v = p.k_seq[b, :ctx], p.v_seq[b, :ctx]  # [ctx, KV, hd]
+        s = np.einsum("nkgd,ckd->nkgc", q, k) * p.scale
         if softcap is not None:
             s = np.tanh(s / softcap) * softcap
         q_pos = np.arange(ctx - n, ctx)[:, None]
@@ -136,20 +85,10 @@ def dense_attention(p: Problem, window: int, softcap: float | None = None) -> li
     return outs
 
 
-def run(fn, p: Problem, window: int, softcap: float | None = None, **kw) -> np.ndarray:
+def run(fn, p: PagedInputs, window: int, softcap: float | None = None, **kw) -> np.ndarray:
     """Call kernel or reference on a problem; window is traced (no recompiles)."""
-    out = fn(
-        jnp.asarray(p.q),
-        jnp.asarray(p.k_pool),
-        jnp.asarray(p.v_pool),
-        jnp.int32(LAYER),
-        *p.paging,
-        block_size=p.shape.block_size,
-        scale=p.shape.scale,
-        window=jnp.int32(window),
-        softcap=softcap,
-        **kw,
-    )
+    out = fn(p.q, p.k_pool, p.v_pool, jnp.int32(LAYER), *p.paging, block_size=p.block_size,
+             scale=p.scale, window=jnp.int32(window), softcap=softcap, **kw)
     assert out.shape == p.q.shape and out.dtype == p.q.dtype
     return np.asarray(out.astype(jnp.float32), np.float64)
 
@@ -161,10 +100,11 @@ def assert_rows_close(got: np.ndarray, want, q_lens: list[int], tol: float, what
         assert err <= tol, f"{what}, row {b}: max abs error {err:.3g} > {tol}"
 
 
-def check(p: Problem, window: int = NO_WINDOW, softcap: float | None = None, **kw) -> np.ndarray:
+def check(p: PagedInputs, window: int = NO_WINDOW, softcap: float | None = None,
+          **kw) -> np.ndarray:
     """Kernel vs reference and vs dense, within the dtype's tolerance."""
     got = run(_kernel, p, window, softcap, **kw)
-    tol = TOL[p.shape.dtype]
+    tol = TOL[p.q.dtype.type]
     assert_rows_close(got, run(_reference, p, window, softcap), p.q_lens, tol, "vs reference")
     assert_rows_close(got, dense_attention(p, window, softcap), p.q_lens, tol, "vs dense")
     return got
@@ -224,12 +164,12 @@ def test_masked_blocks_are_never_read_and_padding_stays_finite():
     and unused. Real rows still match dense attention; padding rows are finite, and
     query tiles past a row's real length write zeros."""
     p = make_problem(GEMMA, [64, 20], [16, 3], seed=7)  # row 0: positions 48..63
-    window, tables = 10, p.block_tables
+    window, tables = 10, np.asarray(p.block_tables)
     used = {tables[0, 2], tables[0, 3], tables[1, 0], tables[1, 1]}  # blocks the window needs
     poison = [blk not in used for blk in range(p.k_pool.shape[1] // GEMMA.block_size)]
-    rows = np.repeat(poison, GEMMA.block_size)  # [pool rows]
-    p.k_pool[LAYER, rows] = np.nan
-    p.v_pool[LAYER, rows] = np.nan
+    rows = np.flatnonzero(np.repeat(poison, GEMMA.block_size))  # pool rows
+    p = dataclasses.replace(p, k_pool=p.k_pool.at[LAYER, rows].set(np.nan),
+                            v_pool=p.v_pool.at[LAYER, rows].set(np.nan))
     got = run(_kernel, p, window)
     assert np.isfinite(got).all()
     assert_rows_close(got, dense_attention(p, window), p.q_lens, TOL[GEMMA.dtype], "vs dense")

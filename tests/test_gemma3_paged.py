@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_inputs import shuffled_block_tables
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.model.transformer import forward, init_kv_cache, lm_head
@@ -23,9 +24,7 @@ BLOCK = 16
 def paged_prompts(cases: list[dict], bucket: int, seed: int = 0):
     """Right-padded tokens [B, bucket] and metadata with shuffled block tables."""
     rng = np.random.default_rng(seed)
-    blocks_per_row = bucket // BLOCK
-    num_blocks = len(cases) * blocks_per_row + 5
-    tables = rng.permutation(num_blocks)[: len(cases) * blocks_per_row].reshape(len(cases), -1)
+    tables, num_blocks = shuffled_block_tables(rng, len(cases), bucket // BLOCK, spare_blocks=5)
     tokens = np.zeros((len(cases), bucket), np.int32)
     slots = np.full((len(cases), bucket), num_blocks * BLOCK, np.int32)
     lengths = np.array([len(c["prompt_ids"]) for c in cases], np.int32)
@@ -36,7 +35,7 @@ def paged_prompts(cases: list[dict], bucket: int, seed: int = 0):
         slots[row, :n] = tables[row, pos // BLOCK] * BLOCK + pos % BLOCK
     meta = AttentionMetadata(
         positions=np.broadcast_to(np.arange(bucket, dtype=np.int32), tokens.shape).copy(),
-        slot_mapping=slots, block_tables=tables.astype(np.int32), context_lens=lengths,
+        slot_mapping=slots, block_tables=tables, context_lens=lengths,
     )
     return tokens, meta, num_blocks * BLOCK, lengths
 

@@ -15,6 +15,8 @@ from helpers import full_logits
 
 from jaxinfer.weights import load_model
 
+pytestmark = pytest.mark.real_model
+
 MIN_OVERALL = 0.9  # measured 0.941 over 6 x 48 positions
 MIN_PER_PROMPT = 0.8  # measured 0.854 .. 0.979
 

@@ -2,8 +2,8 @@
 
 The int8 rule itself (round trip, zero vectors) is tested in test_int8.py.
 
-Pools here are filled through a shuffled, non-contiguous block table with a
-second layer of noise (as in test_paged_decode.py / test_flash_prefill.py).
+Pools here come from tests/paged_inputs.py, as in test_paged_decode.py and
+test_flash_prefill.py: a shuffled, non-contiguous block table and a second layer of noise.
 The kernels (interpret mode) must match the reference on int8 pools within
 float rounding (same math: the scales are folded into the scores and into p).
 The int8 reference must equal the float reference run on the dequantized pool,
@@ -13,13 +13,14 @@ and stay within a bound derived from the quantization step of the float one.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_inputs import LAYER, PagedInputs, make_paged_inputs
 
 from jaxinfer import LLM, ConfigError, SamplingParams
 from jaxinfer.cli import build_parser, engine_config_from_args
@@ -37,8 +38,6 @@ from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_attention_reference
 
 TINY = Path(__file__).parent / "data" / "tiny"
-LAYER = 1  # layer 0 is noise
-BLOCK = 16
 KERNEL_TOL = 1e-5  # f32: kernels and reference do the same math on int8 pools
 STATIC = ("block_size", "scale", "softcap")
 
@@ -66,62 +65,21 @@ def test_write_kv_int8_scatters_values_and_scales_and_drops_padding() -> None:
 # ----------------------------------------------------------------- attention
 
 
-@dataclass(frozen=True)
-class Case:
-    q: jax.Array  # [B, T, H, hd] f32
-    k_pool: jax.Array  # [2, rows, KV, hd] f32
-    v_pool: jax.Array
-    positions: jax.Array  # [B, T]
-    block_tables: jax.Array  # [B, max_blocks]
-    context_lens: jax.Array  # [B]
-    q_lens: tuple[int, ...]  # real query slots per row
-
-    @property
-    def scale(self) -> float:
-        return float(self.q.shape[-1]) ** -0.5
-
-    @property
-    def paging(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The kernels' positions, block tables and context lengths, in argument order."""
-        return self.positions, self.block_tables, self.context_lens
-
-    def int8(self) -> dict[str, jax.Array]:
-        (k, ks), (v, vs) = quantize_int8(self.k_pool), quantize_int8(self.v_pool)
-        return {"k_pool": k, "v_pool": v, "k_scale": ks, "v_scale": vs}
-
-
-def make_case(ctx: list[int], q_lens: list[int], *, t: int, kv_heads: int = 2, group: int = 4,
-              head_dim: int = 64, max_blocks: int = 4, seed: int = 0) -> Case:
-    """Pools of random K/V (layer 0 noise), a shuffled block table, chunks ending at ctx - 1."""
-    rng = np.random.default_rng(seed)
-    b = len(ctx)
-    num_blocks = b * max_blocks + 5
-    tables = rng.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks)
-    shape = (2, num_blocks * BLOCK, kv_heads, head_dim)
-    k_pool, v_pool = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-    positions = np.zeros((b, t), np.int32)
-    for row, (c, n) in enumerate(zip(ctx, q_lens, strict=True)):
-        positions[row, :n] = np.arange(c - n, c)
-    q = rng.standard_normal((b, t, kv_heads * group, head_dim)).astype(np.float32)
-    return Case(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool),
-                jnp.asarray(positions), jnp.asarray(tables, jnp.int32),
-                jnp.asarray(ctx, jnp.int32), tuple(q_lens))
-
-
-def attend(fn, case: Case, window: int, softcap: float | None = None, **pools) -> np.ndarray:
+def attend(fn, case: PagedInputs, window: int, softcap: float | None = None,
+           **pools) -> np.ndarray:
     pools = pools or {"k_pool": case.k_pool, "v_pool": case.v_pool}
     out = fn(case.q, pools.pop("k_pool"), pools.pop("v_pool"), jnp.int32(LAYER), *case.paging,
-             block_size=BLOCK, scale=case.scale, window=jnp.int32(window), softcap=softcap,
-             **pools)
+             block_size=case.block_size, scale=case.scale, window=jnp.int32(window),
+             softcap=softcap, **pools)
     return np.asarray(out, np.float64)
 
 
-def real(out: np.ndarray, case: Case) -> np.ndarray:
+def real(out: np.ndarray, case: PagedInputs) -> np.ndarray:
     """The real query slots of every row, concatenated -> [N, H, hd]."""
     return np.concatenate([out[row, :n] for row, n in enumerate(case.q_lens)])
 
 
-def quantization_bound(case: Case) -> float:
+def quantization_bound(case: PagedInputs) -> float:
     """Worst-case |int8 - float| attention output, from the quantization step.
 
     K error per element <= s_k / 2 moves every score by at most
@@ -137,7 +95,7 @@ def quantization_bound(case: Case) -> float:
 
 @pytest.mark.parametrize("window", [NO_WINDOW, 20])
 def test_reference_int8_pool_is_the_float_reference_on_dequantized_values(window: int) -> None:
-    case = make_case([37, 64, 5], [16, 16, 5], t=16)
+    case = make_paged_inputs([37, 64, 5], [16, 16, 5], kv_heads=2, max_blocks=4)
     pools = case.int8()
     got = real(attend(_reference, case, window, **pools), case)
     dequantized = replace(
@@ -158,8 +116,7 @@ def test_reference_int8_pool_is_the_float_reference_on_dequantized_values(window
     ids=["global", "window-split2", "softcap-split4-padding"],
 )
 def test_paged_decode_kernel_reads_int8_pools(ctx, window, num_splits, softcap) -> None:
-    case = make_case(ctx, [1 if c else 0 for c in ctx], t=1)
-    case = replace(case, positions=jnp.maximum(case.context_lens - 1, 0)[:, None])
+    case = make_paged_inputs(ctx, kv_heads=2, max_blocks=4)  # decode: one query per row
     got = attend(_decode, case, window, softcap, num_splits=num_splits, **case.int8())
     want = attend(_reference, case, window, softcap, **case.int8())
     live = np.asarray(ctx) > 0
@@ -174,7 +131,7 @@ def test_paged_decode_kernel_reads_int8_pools(ctx, window, num_splits, softcap) 
     ids=["prompt-and-chunk", "window", "softcap"],
 )
 def test_flash_prefill_kernel_reads_int8_pools(ctx, q_lens, window, softcap) -> None:
-    case = make_case(ctx, q_lens, t=48, kv_heads=1, head_dim=128)
+    case = make_paged_inputs(ctx, q_lens, seq=48, head_dim=128, max_blocks=4)
     got = real(attend(_prefill, case, window, softcap, **case.int8()), case)
     want = real(attend(_reference, case, window, softcap, **case.int8()), case)
     np.testing.assert_allclose(got, want, atol=KERNEL_TOL, rtol=0)
@@ -183,12 +140,12 @@ def test_flash_prefill_kernel_reads_int8_pools(ctx, q_lens, window, softcap) -> 
 def test_nan_scales_in_unread_rows_are_ignored() -> None:
     """NaN scales (and extreme int8 values) in blocks outside the window, rows past the
     context and unused blocks: both kernels and the reference still give the clean result."""
-    case = make_case([40, 17], [1, 1], t=1, kv_heads=1)
-    case = replace(case, positions=case.context_lens[:, None] - 1)
+    case = make_paged_inputs([40, 17], max_blocks=4)
     window = 8
     clean = case.int8()
     tables = np.asarray(case.block_tables)
-    read = {tables[b, p // BLOCK] * BLOCK + p % BLOCK
+    block = case.block_size
+    read = {tables[b, p // block] * block + p % block
             for b, c in enumerate(np.asarray(case.context_lens))
             for p in range(max(0, c - window), c)}
     unread = np.array([r for r in range(case.k_pool.shape[1]) if r not in read])
@@ -206,7 +163,7 @@ def test_nan_scales_in_unread_rows_are_ignored() -> None:
 
 
 def test_kernels_reject_scales_without_int8_pools() -> None:
-    case = make_case([5], [1], t=1)
+    case = make_paged_inputs([5], kv_heads=2, max_blocks=4)
     pools = case.int8()
     with pytest.raises(ValueError, match="k_scale"):
         attend(paged_attention_reference, case, NO_WINDOW, k_pool=pools["k_pool"],

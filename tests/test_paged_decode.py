@@ -1,20 +1,21 @@
 """Paged decode kernel (Pallas, interpret mode) against the jnp reference and a dense oracle.
 
-Each case writes contiguous per-sequence K/V into a pool through a random,
-non-contiguous block table (permuted physical blocks, unused blocks between,
-noise everywhere else, layer 0 all noise). The dense oracle reads the
+Each case holds per-sequence K/V in a pool behind a random, non-contiguous
+block table (tests/paged_inputs.py: permuted physical blocks, unused blocks
+between, noise everywhere else, layer 0 all noise). The dense oracle reads the
 contiguous K/V directly in float64, so it shares no gather code with either
 implementation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_inputs import LAYER, PagedInputs, make_paged_inputs
 
 from jaxinfer.ops.types import NO_WINDOW
 from pallas_kernels.paged_decode import (
@@ -25,8 +26,6 @@ from pallas_kernels.paged_decode import (
     split_block_range,
 )
 
-LAYERS = 2
-LAYER = 1  # layer 0 is noise: reading it fails the comparison
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 _kernel = jax.jit(
@@ -37,63 +36,7 @@ _kernel = jax.jit(
 _reference = jax.jit(reference, static_argnames=("block_size", "scale", "softcap"))
 
 
-@dataclass(frozen=True)
-class Case:
-    q: jax.Array  # [B, 1, H, hd]
-    k_pool: jax.Array  # [L, rows, KV, hd]
-    v_pool: jax.Array  # [L, rows, KV, hd]
-    positions: jax.Array  # [B, 1] query positions
-    block_tables: jax.Array  # [B, max_blocks]
-    context_lens: jax.Array  # [B]
-    k_seq: np.ndarray  # [B, C, KV, hd] float64, contiguous, as stored (dtype-rounded)
-    v_seq: np.ndarray  # [B, C, KV, hd] float64
-    ctx: np.ndarray  # [B]
-    block_size: int
-
-    @property
-    def scale(self) -> float:
-        return float(self.q.shape[-1]) ** -0.5
-
-    @property
-    def paging(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The kernels' positions, block tables and context lengths, in argument order."""
-        return self.positions, self.block_tables, self.context_lens
-
-
-def make_case(
-    ctx_lens: list[int], *, kv_heads: int = 1, group: int = 4, head_dim: int = 64,
-    block_size: int = 16, dtype=jnp.float32, max_blocks: int | None = None, seed: int = 0,
-) -> Case:
-    """Random q, contiguous K/V per sequence, and a pool holding them via a permuted table."""
-    rng = np.random.default_rng(seed)
-    ctx = np.asarray(ctx_lens, np.int32)
-    b = len(ctx_lens)
-    max_blocks = max_blocks or max(1, -(-int(ctx.max()) // block_size))
-    num_blocks = 2 * b * max_blocks + 3  # unused blocks end up between used ones
-    shape = (b, max_blocks * block_size, kv_heads, head_dim)
-    k_seq, v_seq = (_rounded(rng.standard_normal(shape), dtype) for _ in range(2))
-    table = rng.integers(0, num_blocks, (b, max_blocks)).astype(np.int32)  # unused: any block
-    physical = iter(rng.permutation(num_blocks))
-    pool_shape = (LAYERS, num_blocks * block_size, kv_heads, head_dim)
-    k_pool, v_pool = (_rounded(rng.standard_normal(pool_shape), dtype) for _ in range(2))
-    for row in range(b):
-        for j in range(-(-int(ctx[row]) // block_size)):
-            table[row, j] = next(physical)
-            dst = slice(table[row, j] * block_size, (table[row, j] + 1) * block_size)
-            src = slice(j * block_size, (j + 1) * block_size)
-            k_pool[LAYER, dst], v_pool[LAYER, dst] = k_seq[row, src], v_seq[row, src]
-    q = _rounded(rng.standard_normal((b, 1, kv_heads * group, head_dim)), dtype)
-    return Case(jnp.asarray(q, dtype), jnp.asarray(k_pool, dtype), jnp.asarray(v_pool, dtype),
-                jnp.asarray(np.maximum(ctx - 1, 0)[:, None]), jnp.asarray(table),
-                jnp.asarray(ctx), k_seq, v_seq, ctx, block_size)
-
-
-def _rounded(x: np.ndarray, dtype) -> np.ndarray:
-    """x as the pool stores it, back in float64."""
-    return np.array(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
-
-
-def dense_attention(case: Case, window: int, softcap: float | None = None) -> np.ndarray:
+def dense_attention(case: PagedInputs, window: int, softcap: float | None = None) -> np.ndarray:
     """Float64 decode attention over the contiguous K/V -> [B, 1, H, hd]; padding rows 0."""
     q = np.asarray(case.q.astype(jnp.float32), np.float64)[:, 0]  # [B, H, hd]
     b, h, hd = q.shape
@@ -112,7 +55,7 @@ def dense_attention(case: Case, window: int, softcap: float | None = None) -> np
     return out
 
 
-def run_kernel(case: Case, window: int, **options) -> np.ndarray:
+def run_kernel(case: PagedInputs, window: int, **options) -> np.ndarray:
     out = _kernel(case.q, case.k_pool, case.v_pool, jnp.int32(LAYER), *case.paging,
                   block_size=case.block_size, scale=case.scale, window=jnp.int32(window),
                   interpret=True, **options)
@@ -120,14 +63,14 @@ def run_kernel(case: Case, window: int, **options) -> np.ndarray:
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
-def run_reference(case: Case, window: int, softcap: float | None = None) -> np.ndarray:
+def run_reference(case: PagedInputs, window: int, softcap: float | None = None) -> np.ndarray:
     out = _reference(case.q, case.k_pool, case.v_pool, jnp.int32(LAYER), *case.paging,
                      block_size=case.block_size, scale=case.scale, window=jnp.int32(window),
                      softcap=softcap)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
-def assert_matches(case: Case, window: int, softcap: float | None = None, **options) -> None:
+def assert_matches(case: PagedInputs, window: int, softcap: float | None = None, **options) -> None:
     """Kernel == reference == dense oracle on the real rows, within the dtype's tolerance."""
     tol = TOL[case.q.dtype.type]
     got = run_kernel(case, window, softcap=softcap, **options)
@@ -144,7 +87,7 @@ def assert_matches(case: Case, window: int, softcap: float | None = None, **opti
     ids=["mha-hd64", "gqa4-mqa-hd256", "gqa8-hd128"],
 )
 def test_gqa_ratios_and_head_dims(group: int, kv_heads: int, head_dim: int, dtype) -> None:
-    case = make_case([37, 16, 5], kv_heads=kv_heads, group=group, head_dim=head_dim,
+    case = make_paged_inputs([37, 16, 5], kv_heads=kv_heads, group=group, head_dim=head_dim,
                      dtype=dtype, seed=group)
     assert_matches(case, NO_WINDOW)
 
@@ -155,7 +98,7 @@ def test_gqa_ratios_and_head_dims(group: int, kv_heads: int, head_dim: int, dtyp
     ids=["on-boundary", "just-past-boundary", "just-before-boundary"],
 )
 def test_block_boundaries(ctx_lens: list[int]) -> None:
-    case = make_case(ctx_lens, max_blocks=4, seed=1)
+    case = make_paged_inputs(ctx_lens, max_blocks=4, seed=1)
     assert_matches(case, NO_WINDOW)
 
 
@@ -165,13 +108,13 @@ def test_block_boundaries(ctx_lens: list[int]) -> None:
     ids=["w1", "w8-inside-block", "w16-block", "w40-equal", "w41-larger", "w100", "global"],
 )
 def test_sliding_window(window: int, num_splits: int) -> None:
-    case = make_case([40, 17, 64], max_blocks=4, seed=2)  # window vs row 0's context of 40
+    case = make_paged_inputs([40, 17, 64], max_blocks=4, seed=2)  # window vs row 0's context of 40
     assert_matches(case, window, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
 def test_split_k_gives_the_same_answer(num_splits: int) -> None:
-    case = make_case([200, 37, 1, 96], kv_heads=2, group=4, seed=3)
+    case = make_paged_inputs([200, 37, 1, 96], kv_heads=2, group=4, seed=3)
     single = run_kernel(case, NO_WINDOW, num_splits=1)
     got = run_kernel(case, NO_WINDOW, num_splits=num_splits)
     np.testing.assert_allclose(got, single, atol=1e-6, rtol=0)
@@ -180,7 +123,7 @@ def test_split_k_gives_the_same_answer(num_splits: int) -> None:
 
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_padding_row_gives_zeros(num_splits: int) -> None:
-    case = make_case([0, 20, 0], max_blocks=4, seed=4)
+    case = make_paged_inputs([0, 20, 0], max_blocks=4, seed=4)
     got = run_kernel(case, NO_WINDOW, num_splits=num_splits)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got[[0, 2]], 0.0)
@@ -190,13 +133,13 @@ def test_padding_row_gives_zeros(num_splits: int) -> None:
 @pytest.mark.parametrize("window", [NO_WINDOW, 512], ids=["global", "w512"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_mixed_short_and_long_context(dtype, window: int) -> None:
-    case = make_case([1, 1000], kv_heads=1, group=4, head_dim=256, dtype=dtype, seed=5)
+    case = make_paged_inputs([1, 1000], kv_heads=1, group=4, head_dim=256, dtype=dtype, seed=5)
     assert choose_num_splits(case.block_tables.shape[1]) > 1  # auto split-K engaged
     assert_matches(case, window)
 
 
 def test_softcap() -> None:
-    case = make_case([45, 3, 64], max_blocks=4, seed=6)
+    case = make_paged_inputs([45, 3, 64], max_blocks=4, seed=6)
     uncapped = dense_attention(case, NO_WINDOW)
     assert np.abs(dense_attention(case, NO_WINDOW, 2.0) - uncapped).max() > 1e-2  # cap matters
     assert_matches(case, NO_WINDOW, softcap=2.0)
@@ -204,7 +147,7 @@ def test_softcap() -> None:
 
 def test_stale_nan_rows_do_not_leak() -> None:
     """Rows past the context in the last block and rows before the window may hold NaN."""
-    case = make_case([40, 17, 64], max_blocks=4, seed=8)
+    case = make_paged_inputs([40, 17, 64], max_blocks=4, seed=8)
     window = 8
     k_pool, v_pool = np.array(case.k_pool), np.array(case.v_pool)
     table = np.asarray(case.block_tables)
@@ -254,7 +197,7 @@ def test_choose_num_splits() -> None:
 
 
 def test_rejects_more_than_one_query_token() -> None:
-    case = make_case([5], seed=7)
+    case = make_paged_inputs([5], seed=7)
     q2 = jnp.concatenate([case.q, case.q], axis=1)
     with pytest.raises(ValueError, match="one token per row"):
         paged_decode_attention(q2, case.k_pool, case.v_pool, jnp.int32(LAYER), *case.paging,
@@ -265,7 +208,7 @@ def test_rejects_more_than_one_query_token() -> None:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_lowers_through_pallas_triton(dtype) -> None:
     """The kernel stays inside what Pallas' Triton lowering supports (no GPU needed)."""
-    case = make_case([1, 100, 0], kv_heads=1, group=4, head_dim=256, dtype=dtype, seed=9)
+    case = make_paged_inputs([1, 100, 0], kv_heads=1, group=4, head_dim=256, dtype=dtype, seed=9)
     attend = jax.jit(lambda q, k, v, layer, paging, window: paged_decode_attention(
         q, k, v, layer, *paging, block_size=16, scale=case.scale, window=window, softcap=30.0,
         num_splits=2))

@@ -36,7 +36,6 @@ def _raw(client: InferenceClient, method: str, data: bytes, reply: type) -> obje
     return list(result) if method == "Generate" else result
 
 
-@pytest.mark.slow
 def test_text_chat_tokenize_and_utf8_on_gemma(gemma: LoadedModel) -> None:
     offline = LLM(loaded=gemma, engine_config=ENGINE)  # same shapes: compiled once
     want_text = offline.generate("The capital of France is", SamplingParams(**GREEDY))[0]
