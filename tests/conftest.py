@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ from jaxinfer import LLM
 from jaxinfer.weights import LoadedModel, load_model
 
 DATA = Path(__file__).parent / "data"
+# Tests compile afresh and write nothing under ~/.cache: the commands they run keep
+# the compilation cache off unless a test (or the caller's environment) asks for it.
+os.environ.setdefault("JAXINFER_COMPILATION_CACHE", "off")
 
 
 

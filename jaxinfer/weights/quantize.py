@@ -27,10 +27,10 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from jaxinfer.choices import QUANTIZATIONS
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.quant import QuantizedWeight
 
-QUANTIZATIONS = ("none", "int8", "w8a8", "int4", "int4-awq")
 INT8_METHODS = ("int8", "w8a8")
 DEFAULT_GROUP_SIZE = 128
 LAYER_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
