@@ -46,7 +46,7 @@ class LLM:
         """`quantization`: none | int8 | w8a8 | int4 | int4-awq (weights, converted at
         load; int4 in groups of `quant_group_size` inputs).
         `engine_settings` are EngineConfig fields (max_model_len, max_num_seqs,
-        max_num_batched_tokens, block_size, kv_cache_memory, kv_cache_dtype,
+        max_num_batched_tokens, block_size, kv_cache_memory, kv_cache_fraction, kv_cache_dtype,
         enable_prefix_caching, enable_chunked_prefill, attention_impl), applied over
         `engine_config`."""
         self.model = loaded or load_model(model, dtype=dtype, load_format=load_format,

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params, compute_dtype
@@ -51,8 +52,6 @@ from jaxinfer.model.transformer import (
 )
 from jaxinfer.ops.attention import (
     AttentionFn,
-    check_attention_impl,
-    check_kv_cache_dtype,
     get_attention_fn,
 )
 from jaxinfer.ops.types import AttentionMetadata
@@ -69,39 +68,6 @@ from jaxinfer.sampling import (
 MIN_PREFILL_BUCKET = 16
 MIN_CONTEXT_BLOCKS = 8
 PROMPT_LOGPROB_CHUNK = 128
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """How much KV cache to hold and how it is cut into blocks."""
-
-    max_model_len: int = 2048
-    max_num_seqs: int = 8
-    block_size: int = 16
-    attention_impl: str = "xla"
-    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: int8 values + f32 scales
-    kv_cache_memory: int | None = None  # bytes; None: see `kv_cache_budget`
-    kv_cache_fraction: float = 0.9  # of free accelerator memory, when it is known
-
-    def __post_init__(self) -> None:
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
-        if not 0 < self.kv_cache_fraction <= 1:
-            raise ConfigError(
-                f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}"
-            )
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        check_attention_impl(self.attention_impl)
-        check_kv_cache_dtype(self.kv_cache_dtype)
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return math.ceil(self.max_model_len / self.block_size)
 
 
 def kv_cache_budget(cache: CacheConfig, bytes_per_token: int) -> int:
@@ -217,11 +183,7 @@ class ModelRunner:
     """Holds device state and runs bucketed, jit-compiled prefill and decode steps."""
 
     def __init__(self, config: ModelConfig, params: Params, cache: CacheConfig) -> None:
-        if cache.max_model_len > config.max_position:
-            raise ConfigError(
-                f"max_model_len ({cache.max_model_len}) exceeds the model's context "
-                f"length ({config.max_position})"
-            )
+        """`cache`: the view of an EngineConfig resolved for this model (`resolve`)."""
         self.config = config
         self.cache = cache
         self.params = jax.tree.map(jnp.asarray, params)

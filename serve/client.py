@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serve.proto.jaxinfer.v1 import inference_pb2 as pb
@@ -32,6 +33,8 @@ from serve.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                 pb.FINISH_REASON_ABORT: "abort"}
 DEFAULT_SERVER = "127.0.0.1:50051"
+SAMPLING_FIELDS = pb.SamplingParams.DESCRIPTOR.fields  # == jaxinfer.SamplingParams' fields
+_FLOAT_TYPES = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
 
 
 @dataclass
@@ -175,13 +178,45 @@ def run_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per field of the wire's SamplingParams (the fields of
+    `jaxinfer.SamplingParams`); a flag left out leaves the server's default."""
+    group = parser.add_argument_group("sampling")
+    for field_ in SAMPLING_FIELDS:
+        flag = _flag(field_)
+        if field_.type == FieldDescriptor.TYPE_BOOL:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif field_.type == FieldDescriptor.TYPE_STRING:  # repeated: stop
+            group.add_argument(flag, action="append", default=None,
+                               help=f"{field_.name} string (repeatable)")
+        elif _is_id_list(field_):  # checked after parsing, like --token-ids
+            group.add_argument(flag, default=None, help="comma-separated ids")
+        else:
+            kind = float if field_.type in _FLOAT_TYPES else int
+            group.add_argument(flag, type=kind, default=None)
+
+
+def _flag(field_: FieldDescriptor) -> str:
+    return "--" + field_.name.replace("_", "-")
+
+
+def _is_id_list(field_: FieldDescriptor) -> bool:
+    return field_.is_repeated and field_.type != FieldDescriptor.TYPE_STRING
+
+
+def _sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    sampling = {}
+    for field_ in SAMPLING_FIELDS:
+        value = getattr(args, field_.name)
+        if value is not None and _is_id_list(field_):
+            value = _ids(value, _flag(field_))
+        if value is not None:
+            sampling[field_.name] = value
+    return sampling
+
+
 def _request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
-    names = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty", "seed", "n", "logprobs", "stop",
-             "ignore_eos")
-    sampling = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    if args.stop_token_ids:
-        sampling["stop_token_ids"] = _ids(args.stop_token_ids, "--stop-token-ids")
+    sampling = _sampling_from_args(args)
     if args.token_ids is not None:
         return generate_request(token_ids=_ids(args.token_ids, "--token-ids"), **sampling)
     if args.prompt is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from jaxinfer.weights import LoadedModel, load_model
 DATA = Path(__file__).parent / "data"
 TINY = DATA / "tiny"
 REAL_MODEL_FIXTURES = frozenset({"gemma", "gemma_llm"})
+
+# Tests compile afresh and write nothing under ~/.cache: the commands they run keep
+# the compilation cache off unless a test (or the caller's environment) asks for it.
+os.environ.setdefault("JAXINFER_COMPILATION_CACHE", "off")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -16,7 +16,6 @@ import pytest
 
 from jaxinfer.bench import report as report_mod
 from jaxinfer.bench.latency import clip_lengths, run_latency
-from jaxinfer.bench.serving import arrival_offsets
 from jaxinfer.bench.stats import (
     RequestRecord,
     compare,
@@ -32,8 +31,9 @@ from jaxinfer.bench.workloads import (
     perturbed,
     token_source,
 )
-from jaxinfer.cli import main
 from jaxinfer.errors import ConfigError
+from serve.bench import arrival_offsets
+from serve.cli import main
 
 TINY = Path(__file__).parent / "data" / "tiny" / "llama"
 RANDOM = token_source(None, vocab_size=256)

@@ -23,19 +23,20 @@ import pytest
 from paged_inputs import LAYER, PagedInputs, make_paged_inputs
 
 from jaxinfer import LLM, ConfigError, SamplingParams
-from jaxinfer.cli import build_parser, engine_config_from_args
+from jaxinfer.args import engine_config_from_args
 from jaxinfer.engine.config import EngineConfig, load_engine_preset
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.transformer import init_kv_cache, kv_bytes_per_token
 from jaxinfer.ops.attention import write_kv_int8
 from jaxinfer.ops.int8 import dequantize_int8, quantize_int8
 from jaxinfer.ops.types import NO_WINDOW
-from jaxinfer.runner import CacheConfig, ModelRunner
+from jaxinfer.runner import ModelRunner
 from jaxinfer.weights import load_model
 from jaxinfer.weights.dummy import dummy_params
 from pallas_kernels.flash_prefill import flash_prefill_attention
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.reference import paged_attention_reference
+from serve.cli import build_parser
 
 TINY = Path(__file__).parent / "data" / "tiny"
 KERNEL_TOL = 1e-5  # f32: kernels and reference do the same math on int8 pools
@@ -246,9 +247,9 @@ def test_bytes_per_token_and_blocks_for_a_fixed_budget() -> None:
     assert init_kv_cache(config, 16, jnp.float32, "int8").nbytes == 16 * 2 * 2 * (256 + 4)
     params = dummy_params(config)
     budget = 2**20
-    runners = {dtype: ModelRunner(config, params, CacheConfig(
-        max_model_len=64, kv_cache_memory=budget, kv_cache_dtype=dtype)) for dtype in ("auto",
-                                                                                      "int8")}
+    runners = {dtype: ModelRunner(config, params, EngineConfig(
+        max_model_len=64, kv_cache_memory=budget, kv_cache_dtype=dtype).cache_config())
+        for dtype in ("auto", "int8")}
     auto, int8 = runners["auto"], runners["int8"]
     assert auto.num_blocks == budget // (4096 * 16) and int8.num_blocks == budget // (1040 * 16)
     assert int8.num_blocks / auto.num_blocks == pytest.approx(1024 / 260, rel=0.02)
@@ -259,7 +260,7 @@ def test_kv_cache_dtype_setting_is_validated_everywhere(llama) -> None:
     assert EngineConfig().kv_cache_dtype == "auto"
     assert load_engine_preset("cpu-offline").kv_cache_dtype == "auto"
     for make in (lambda: EngineConfig(kv_cache_dtype="fp8"),
-                 lambda: CacheConfig(kv_cache_dtype="fp8"),
+                 lambda: EngineConfig().replace(kv_cache_dtype="fp8"),
                  lambda: LLM(loaded=llama, max_model_len=32, kv_cache_dtype="fp8")):
         with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8"):
             make()

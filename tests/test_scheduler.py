@@ -8,12 +8,15 @@ from pathlib import Path
 import pytest
 
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig, Sequence, Status
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.scheduler import Scheduler, Sequence, Status
+from jaxinfer.errors import ConfigError
 
 
 def make(num_blocks: int = 64, block_size: int = 4, **config) -> Scheduler:
     settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64) | config
-    return Scheduler(SchedulerConfig(**settings), BlockManager(num_blocks, block_size))
+    return Scheduler(EngineConfig(**settings).scheduler_config(),
+                     BlockManager(num_blocks, block_size))
 
 
 def run_step(scheduler: Scheduler, token: int = 7):
@@ -71,9 +74,8 @@ def test_without_chunking_a_prompt_waits_for_room() -> None:
 
 
 def test_budget_validation_without_chunking() -> None:
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(max_num_batched_tokens=16, max_model_len=64,
-                        enable_chunked_prefill=False)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=16, max_model_len=64, enable_chunked_prefill=False)
 
 
 def test_max_num_seqs_bounds_running() -> None:

@@ -17,10 +17,10 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.cli import main
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.weights import LoadedModel, load_model
+from serve.cli import main
 from serve.client import InferenceClient, collect, generate_request
 from serve.config import ServerConfig
 from serve.proto.jaxinfer.v1 import inference_pb2 as pb

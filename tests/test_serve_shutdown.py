@@ -33,7 +33,7 @@ READY = re.compile(r"listening on ([\d.]+:\d+), metrics on http://[\d.]+:(\d+)/m
 def _start_server() -> tuple[subprocess.Popen, threading.Thread, queue.Queue, str, int]:
     """`jaxinfer serve` on the tiny model, one sequence at a time; (process, stderr
     reader, stderr lines, address, metrics port) once it is listening."""
-    command = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(TINY),
+    command = [sys.executable, "-m", "serve.cli", "serve", "--model", str(TINY),
                "--port", "0", "--metrics-port", "0", "--max-model-len", "128",
                "--block-size", "16", "--max-num-seqs", "1", "--shutdown-grace", "60"]
     proc = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)

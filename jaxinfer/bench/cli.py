@@ -1,6 +1,9 @@
-"""`jaxinfer bench latency | offline | serve`: flags and the run of each mode.
+"""`jaxinfer bench`: the flags every mode shares, the latency and offline modes,
+and the run of any mode.
 
-Each mode builds one report (see `report.py`), prints it as tables, and
+`bench serve` drives a gRPC server, so it lives with the server
+(`serve/bench.py`) and joins the command through `bench_command` in
+`serve/cli.py`. Each mode builds one report (see `report.py`), prints it as tables, and
 optionally writes it as JSON (`--output`) and plots it (`--plot`). With
 `--compare llama-cpp` the same token ids also run through llama.cpp on the
 same GGUF, and every figure gets a jaxinfer / llama.cpp ratio.
@@ -9,30 +12,55 @@ same GGUF, and every figure gets a jaxinfer / llama.cpp ratio.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from jaxinfer.args import (
+    AddArguments,
+    Command,
+    add_compilation_cache_flag,
+    add_engine_flags,
+    add_model_flags,
+    enable_compilation_cache,
+)
+from jaxinfer.bench.workloads import WORKLOADS
 from jaxinfer.errors import ConfigError
 
-AddFlags = Callable[[argparse.ArgumentParser], None]
+Report = dict[str, Any]
 
 
-def add_bench_commands(parser: argparse.ArgumentParser, model_flags: AddFlags,
-                       engine_flags: AddFlags) -> None:
-    """The three `bench` modes, each with the model and engine flags of `generate`."""
-    modes = parser.add_subparsers(dest="mode", required=True)
-    for mode, text in (("latency", "batch-1 prefill and decode times"),
-                       ("offline", "throughput of LLM.generate against concurrency"),
-                       ("serve", "TTFT/TPOT/ITL and goodput of jaxinfer serve over gRPC")):
-        sub = modes.add_parser(mode, help=text)
-        model_flags(sub)
+@dataclass(frozen=True)
+class BenchMode:
+    """A `jaxinfer bench` mode: its flags (beside the model, engine and report flags
+    every mode takes) and `run`, which returns the report (see `report.py`)."""
+
+    name: str
+    help: str
+    add_flags: AddArguments
+    run: Callable[[argparse.Namespace], Report]
+
+
+def bench_command(modes: Sequence[BenchMode]) -> Command:
+    """`jaxinfer bench` with these modes."""
+    names = ", ".join(mode.name for mode in modes)
+    return Command("bench", f"benchmarks: {names}", partial(add_bench_modes, modes=modes))
+
+
+def add_bench_modes(parser: argparse.ArgumentParser, modes: Sequence[BenchMode]) -> None:
+    """One subcommand per mode, each with the model and engine flags of `generate`."""
+    subparsers = parser.add_subparsers(dest="mode", required=True)
+    for mode in modes:
+        sub = subparsers.add_parser(mode.name, help=mode.help)
+        add_model_flags(sub)
         _add_common(sub)
-        {"latency": _add_latency, "offline": _add_offline, "serve": _add_serve}[mode](sub)
-        engine_flags(sub)
-        sub.set_defaults(handler=run_bench)
+        mode.add_flags(sub)
+        add_engine_flags(sub)
+        add_compilation_cache_flag(sub)
+        sub.set_defaults(handler=partial(run_bench, mode.run))
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -49,11 +77,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                        help="skip the peaks microbenchmark and the step cost analysis")
 
 
-def _add_workload(parser: argparse.ArgumentParser, default: str) -> None:
+def add_workload_flags(parser: argparse.ArgumentParser, default: str) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--workload", default=default,
-                       help="long-prompt-short-answer | short-prompt-long-answer | "
-                       f"shared-prefix | mixed | fixed (default {default})")
+                       help=f"{' | '.join(WORKLOADS)} (default {default})")
     group.add_argument("--num-prompts", type=int, default=32)
     group.add_argument("--input-len", type=int, default=None,
                        help="prompt tokens (fixed), or question/document length override")
@@ -74,31 +101,18 @@ def _add_latency(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_offline(parser: argparse.ArgumentParser) -> None:
-    _add_workload(parser, "mixed")
+    add_workload_flags(parser, "mixed")
     parser.add_argument("--concurrency", default=None,
                         help="max_num_seqs values, e.g. 1,8,32,64 (default: the engine's)")
 
 
-def _add_serve(parser: argparse.ArgumentParser) -> None:
-    _add_workload(parser, "mixed")
-    parser.add_argument("--server", default=None,
-                        help="host:port of jaxinfer serve (default: start one in-process)")
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="Poisson arrivals per second (default inf: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="requests in flight at most")
-    parser.add_argument("--ttft-slo", type=float, default=None, help="TTFT target, ms")
-    parser.add_argument("--tpot-slo", type=float, default=None, help="TPOT target, ms")
-    parser.add_argument("--timeout", type=float, default=None, help="per-request deadline, s")
-
-
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(run: Callable[[argparse.Namespace], Report], args: argparse.Namespace) -> int:
     """Check the flags, run the mode, print the report, write JSON and plot."""
-    from jaxinfer.bench import modes
     from jaxinfer.bench.report import add_ratios, print_report, write_json
 
     check_flags(args)
-    report = modes.MODES[args.mode](args)
+    enable_compilation_cache(args)
+    report = run(args)
     add_ratios(report)
     print_report(report, sys.stdout)
     if args.output is not None:
@@ -114,8 +128,6 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def check_flags(args: argparse.Namespace) -> None:
     """Every bad flag value is a ConfigError naming the flag, before anything loads."""
-    from jaxinfer.bench.workloads import WORKLOADS
-
     if args.compare not in (None, "llama-cpp"):
         raise ConfigError(f"--compare must be llama-cpp, got {args.compare!r}")
     if args.compare:
@@ -141,3 +153,22 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
         if value is not None and not value > 0:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} must be > 0, got {value}")
+
+
+def _run_latency(args: argparse.Namespace) -> Report:
+    from jaxinfer.bench.modes import run_latency_mode
+
+    return run_latency_mode(args)
+
+
+def _run_offline(args: argparse.Namespace) -> Report:
+    from jaxinfer.bench.modes import run_offline_mode
+
+    return run_offline_mode(args)
+
+
+BENCH_MODES = (
+    BenchMode("latency", "batch-1 prefill and decode times", _add_latency, _run_latency),
+    BenchMode("offline", "throughput of LLM.generate against concurrency", _add_offline,
+              _run_offline),
+)

@@ -1,4 +1,5 @@
-"""The three bench modes, end to end: load, run ours, run llama.cpp, add rooflines.
+"""The latency and offline bench modes, end to end: load, run ours, run llama.cpp,
+add rooflines; and the report pieces every mode shares (`serve/bench.py` too).
 
 Each `run_<mode>(args)` returns the report dict (see `report.py`); the
 engine comes from the same flags as `jaxinfer generate`/`serve`.
@@ -11,25 +12,14 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from jaxinfer.args import engine_config_from_args, load_from_args
 from jaxinfer.bench.engine_runs import EngineBench
 from jaxinfer.bench.latency import run_latency
 from jaxinfer.bench.offline import parse_int_list, run_offline
 from jaxinfer.bench.report import PEER
-from jaxinfer.bench.stats import median, run_summary
-from jaxinfer.bench.workloads import TokenSource, Workload, make_workload, perturbed, token_source
+from jaxinfer.bench.stats import median
+from jaxinfer.bench.workloads import TokenSource, Workload, make_workload, token_source
 from jaxinfer.weights import LoadedModel
-
-
-def _engine_config(args: argparse.Namespace, **defaults: object) -> Any:
-    from jaxinfer.cli import engine_config_from_args
-
-    return engine_config_from_args(args, **defaults)
-
-
-def _load(args: argparse.Namespace) -> LoadedModel:
-    from jaxinfer.cli import load_from_args
-
-    return load_from_args(args)
 
 
 def local_token_source(model: LoadedModel) -> TokenSource:
@@ -43,7 +33,7 @@ def local_token_source(model: LoadedModel) -> TokenSource:
 
 
 @contextlib.contextmanager
-def _peer(args: argparse.Namespace) -> Iterator[Any]:
+def comparison_peer(args: argparse.Namespace) -> Iterator[Any]:
     """llama.cpp on the GGUF when --compare llama-cpp, else None."""
     if not args.compare:
         yield None
@@ -54,7 +44,8 @@ def _peer(args: argparse.Namespace) -> Iterator[Any]:
         yield peer
 
 
-def _base(args: argparse.Namespace, model_name: str, engine: dict[str, Any]) -> dict[str, Any]:
+def report_base(args: argparse.Namespace, model_name: str,
+                engine: dict[str, Any]) -> dict[str, Any]:
     return {"mode": args.mode, "model": model_name, "engine": engine, "seed": args.seed}
 
 
@@ -84,10 +75,10 @@ def _peaks(args: argparse.Namespace, bench: EngineBench) -> dict[str, Any] | Non
 
 
 def run_latency_mode(args: argparse.Namespace) -> dict[str, Any]:
-    with _peer(args) as peer:
-        model = _load(args)
-        bench = EngineBench(model, _engine_config(args, max_num_seqs=1))
-        report = _base(args, model.config.name, _engine_facts(bench))
+    with comparison_peer(args) as peer:
+        model = load_from_args(args)
+        bench = EngineBench(model, engine_config_from_args(args, max_num_seqs=1))
+        report = report_base(args, model.config.name, _engine_facts(bench))
         peaks = _peaks(args, bench)
         settings = {
             "prompt_lens": parse_int_list(args.prompt_lens, "--prompt-lens"),
@@ -130,7 +121,8 @@ def latency_roofline(bench: EngineBench, ours: dict[str, Any],
 # --------------------------------------------------------------------------- offline
 
 
-def _workload(args: argparse.Namespace, source: TokenSource, max_model_len: int) -> Workload:
+def workload_from_args(args: argparse.Namespace, source: TokenSource,
+                       max_model_len: int) -> Workload:
     return make_workload(args.workload, source, num_prompts=args.num_prompts,
                          max_model_len=max_model_len, seed=args.seed,
                          input_len=args.input_len, output_len=args.output_len)
@@ -146,15 +138,15 @@ def workload_facts(workload: Workload) -> dict[str, Any]:
 
 
 def run_offline_mode(args: argparse.Namespace) -> dict[str, Any]:
-    with _peer(args) as peer:
-        model = _load(args)
-        config = _engine_config(args)
+    with comparison_peer(args) as peer:
+        model = load_from_args(args)
+        config = engine_config_from_args(args)
         concurrencies = (parse_int_list(args.concurrency, "--concurrency")
                          if args.concurrency else [config.max_num_seqs])
         bench = EngineBench(model, config.replace(max_num_seqs=concurrencies[0]))
-        report = _base(args, model.config.name, _engine_facts(bench))
+        report = report_base(args, model.config.name, _engine_facts(bench))
         peaks = _peaks(args, bench)
-        workload = _workload(args, local_token_source(model), bench.llm().max_model_len)
+        workload = workload_from_args(args, local_token_source(model), bench.llm().max_model_len)
         report["workload"] = workload_facts(workload)
         vocab = model.config.vocab_size
         report["jaxinfer"] = {"runs": run_offline(bench.generate, workload, concurrencies,
@@ -186,64 +178,3 @@ def offline_roofline(bench: EngineBench, workload: Workload, runs: list[dict[str
         lines.append(roofline_line(name, step_cost(runner, shape), 1,
                                    run["itl"]["p50"], peaks))
     return lines
-
-
-# --------------------------------------------------------------------------- serve
-
-
-def run_serve_mode(args: argparse.Namespace) -> dict[str, Any]:
-    from jaxinfer.bench.serving import connect, local_server
-
-    with _peer(args) as peer:
-        if args.server:
-            with connect(args.server, args.timeout) as client:
-                return _serve_report(args, client, peer, load_s=None)
-        model = _load(args)
-        with local_server(model, _engine_config(args)) as address, \
-                connect(address, args.timeout) as client:
-            return _serve_report(args, client, peer, load_s=model.load_seconds)
-
-
-def _serve_report(args: argparse.Namespace, client: Any, peer: Any,
-                  load_s: float | None) -> dict[str, Any]:
-    from jaxinfer.bench.serving import (
-        arrival_offsets,
-        remote_token_source,
-        run_serving,
-        server_facts,
-    )
-
-    info = client.model_info()
-    facts = server_facts(client)
-    report = _base(args, facts.name, {"max_model_len": facts.max_model_len,
-                                      "max_num_seqs": info.max_num_seqs,
-                                      "server": args.server or "in-process"})
-    workload = _workload(args, remote_token_source(client, facts), facts.max_model_len)
-    report["workload"] = workload_facts(workload)
-    concurrency = args.max_concurrency or info.max_num_seqs  # llama.cpp's n_seq_max
-    slos = {"ttft_slo": _seconds(args.ttft_slo), "tpot_slo": _seconds(args.tpot_slo)}
-    settings = {"request_rate": args.request_rate, "seed": args.seed}
-    report["slo"] = slos
-    if args.warmup:
-        run_serving(client, perturbed(workload, facts.vocab_size).requests,
-                    max_concurrency=args.max_concurrency, timeout=args.timeout, **settings)
-    records, seconds = run_serving(client, workload.requests,
-                                   max_concurrency=args.max_concurrency,
-                                   timeout=args.timeout, **settings)
-    tag = {"concurrency": args.max_concurrency or len(workload.requests), **settings}
-    report["jaxinfer"] = {"runs": [{**tag, **run_summary(records, seconds, **slos)}]}
-    if load_s is not None:
-        report["jaxinfer"]["load_s"] = load_s
-    if peer is not None:
-        arrivals = arrival_offsets(len(workload.requests), args.request_rate, args.seed)
-        theirs, their_seconds = peer.generate(workload.requests, concurrency, arrivals)
-        report[PEER] = {"runs": [{**tag, **run_summary(theirs, their_seconds, **slos)}],
-                        "load_s": peer.load_seconds}
-    return report
-
-
-def _seconds(ms: float | None) -> float | None:
-    return None if ms is None else ms / 1000
-
-
-MODES = {"latency": run_latency_mode, "offline": run_offline_mode, "serve": run_serve_mode}

@@ -25,9 +25,9 @@ import numpy as np
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.metrics import EngineStats
-from jaxinfer.engine.scheduler import PrefillChunk, Scheduler, SchedulerConfig
+from jaxinfer.engine.scheduler import PrefillChunk, Scheduler
 from jaxinfer.engine.scheduler import Sequence as SchedSeq
-from jaxinfer.errors import ConfigError, RequestError
+from jaxinfer.errors import RequestError
 from jaxinfer.outputs import (
     CompletionOutput,
     Logprobs,
@@ -38,7 +38,6 @@ from jaxinfer.outputs import (
 )
 from jaxinfer.runner import (
     MIN_PREFILL_BUCKET,
-    CacheConfig,
     ModelRunner,
     PendingStep,
     Row,
@@ -82,32 +81,17 @@ class LLMEngine:
 
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
         self.model = model
-        self.config = config = config or EngineConfig()
-        max_len = config.max_model_len or min(model.config.max_position, 2048)
-        self.runner = ModelRunner(model.config, model.params, CacheConfig(
-            max_model_len=max_len, max_num_seqs=config.max_num_seqs,
-            block_size=config.block_size, attention_impl=config.attention_impl,
-            kv_cache_memory=config.kv_cache_memory, kv_cache_dtype=config.kv_cache_dtype,
-        ))
+        self.config = config = (config or EngineConfig()).resolve(model.config.max_position)
+        self.runner = ModelRunner(model.config, model.params, config.cache_config())
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self._scheduler_config(max_len), self.blocks)
+        self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._samples: dict[int, _Sample] = {}  # by scheduler seq_id
         self._pending_aborts: list[str] = []
         self._lock = threading.Lock()
         self._next_id = 0
-
-    def _scheduler_config(self, max_len: int) -> SchedulerConfig:
-        batched = self.config.max_num_batched_tokens or max(2048, max_len)
-        try:
-            return SchedulerConfig(
-                max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=batched,
-                max_model_len=max_len, enable_chunked_prefill=self.config.enable_chunked_prefill,
-            )
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
 
     # ----------------------------------------------------------------- public API
 

@@ -26,30 +26,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .block_manager import BlockManager
+from .config import SchedulerConfig
 
 
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
-                f" must be >= max_model_len ({self.max_model_len}) so every prompt fits a step"
-            )
 
 
 @dataclass(eq=False)

@@ -28,13 +28,10 @@ from functools import partial
 
 import jax
 
-from jaxinfer.errors import ConfigError
+from jaxinfer.choices import ATTENTION_IMPLS, KV_CACHE_DTYPES, check_choice
 from jaxinfer.ops.int8 import quantize_int8
 from jaxinfer.ops.types import AttentionMetadata
 from pallas_kernels.reference import paged_attention_reference
-
-ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
-KV_CACHE_DTYPES = ("auto", "int8")
 
 # (q, k_pool, v_pool, layer, meta, *, block_size, scale, window, softcap, k_scale, v_scale)
 AttentionFn = Callable[..., jax.Array]
@@ -46,18 +43,12 @@ __all__ = ["ATTENTION_IMPLS", "KV_CACHE_DTYPES", "AttentionFn", "check_attention
 
 def check_attention_impl(impl: str) -> None:
     """Raise ConfigError unless `impl` names an attention implementation."""
-    if impl not in ATTENTION_IMPLS:
-        raise ConfigError(
-            f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}"
-        )
+    check_choice("attention_impl", impl, ATTENTION_IMPLS)
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     """Raise ConfigError unless `kv_cache_dtype` names a KV cache storage type."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(
-            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
-        )
+    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 def get_attention_fn(impl: str) -> AttentionFn:

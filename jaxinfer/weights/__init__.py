@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.choices import DTYPE_NAMES, LOAD_FORMATS
 from jaxinfer.errors import ConfigError, ModelLoadError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
@@ -36,9 +37,8 @@ from jaxinfer.weights.quantize import (
 )
 
 DEFAULT_MODEL = "gemma3-270m"
-LOAD_FORMATS = ("auto", "dummy")
 HF_TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
-DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+DTYPES = dict(zip(DTYPE_NAMES, (np.float32, jnp.bfloat16), strict=True))
 
 
 @dataclass

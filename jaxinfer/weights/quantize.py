@@ -27,11 +27,11 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from jaxinfer.choices import QUANTIZATIONS
 from jaxinfer.errors import ConfigError
 from jaxinfer.model.quant import QuantizedWeight
 from jaxinfer.ops import int8
 
-QUANTIZATIONS = ("none", "int8", "w8a8", "int4", "int4-awq")
 INT8_METHODS = ("int8", "w8a8")
 DEFAULT_GROUP_SIZE = 128
 LAYER_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

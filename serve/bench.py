@@ -8,13 +8,14 @@ messages), TPOT (mean gap after the first token) and end-to-end latency,
 exactly as a user sees them, gRPC included.
 
 Without `--server`, the benchmark starts an in-process server on a free
-loopback port (`serve.server.ServerThread`) around an engine of its own. This
-module sits at the CLI's layer: it imports `serve` (lazily), which the engine
-below never does.
+loopback port (`serve.server.ServerThread`) around an engine of its own.
+The mode lives here, with the server it drives, and shares the report,
+workload and llama.cpp pieces of the other modes (`jaxinfer.bench`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import math
@@ -25,13 +26,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 
-from jaxinfer.bench.stats import RequestRecord
-from jaxinfer.bench.workloads import BenchRequest, TokenSource, token_source
+from jaxinfer.args import engine_config_from_args, load_from_args
+from jaxinfer.bench.modes import comparison_peer, report_base, workload_facts, workload_from_args
+from jaxinfer.bench.report import PEER
+from jaxinfer.bench.stats import RequestRecord, run_summary
+from jaxinfer.bench.workloads import BenchRequest, TokenSource, perturbed, token_source
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.errors import ConfigError
 from jaxinfer.weights import LoadedModel
+from serve.client import InferenceClient
+from serve.config import ServerConfig
+from serve.server import ServerThread
 
 
 def arrival_offsets(count: int, request_rate: float | None, seed: int = 0) -> list[float]:
@@ -71,8 +80,6 @@ def remote_token_source(client: Any, facts: ServerFacts) -> TokenSource:
 
 def stream_one(client: Any, request: BenchRequest, timeout: float | None) -> RequestRecord:
     """Send one request and time its token messages on the client clock."""
-    import grpc
-
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
@@ -119,10 +126,6 @@ def run_serving(client: Any, requests: Sequence[BenchRequest], *,
 @contextlib.contextmanager
 def local_server(model: LoadedModel, config: EngineConfig) -> Iterator[str]:
     """An in-process `jaxinfer serve` on a free loopback port; yields its address."""
-    from jaxinfer.engine.llm_engine import LLMEngine
-    from serve.config import ServerConfig
-    from serve.server import ServerThread
-
     engine = LLMEngine(model, config)
     server = ServerThread(engine, ServerConfig(port=0, metrics_port=None, max_waiting=1 << 20))
     server.start()
@@ -135,10 +138,6 @@ def local_server(model: LoadedModel, config: EngineConfig) -> Iterator[str]:
 @contextlib.contextmanager
 def connect(target: str, timeout: float | None = None) -> Iterator[Any]:
     """An InferenceClient on `target`, checked with ModelInfo (a clear error if down)."""
-    import grpc
-
-    from serve.client import InferenceClient
-
     client = InferenceClient(target, timeout=timeout)
     try:
         try:
@@ -149,3 +148,50 @@ def connect(target: str, timeout: float | None = None) -> Iterator[Any]:
         yield client
     finally:
         client.close()
+
+
+def run_serve_mode(args: argparse.Namespace) -> dict[str, Any]:
+    """`jaxinfer bench serve`: against `--server`, or an in-process server of its own."""
+    with comparison_peer(args) as peer:
+        if args.server:
+            with connect(args.server, args.timeout) as client:
+                return _serve_report(args, client, peer, load_s=None)
+        model = load_from_args(args)
+        with local_server(model, engine_config_from_args(args)) as address, \
+                connect(address, args.timeout) as client:
+            return _serve_report(args, client, peer, load_s=model.load_seconds)
+
+
+def _serve_report(args: argparse.Namespace, client: Any, peer: Any,
+                  load_s: float | None) -> dict[str, Any]:
+    info = client.model_info()
+    facts = server_facts(client)
+    report = report_base(args, facts.name, {"max_model_len": facts.max_model_len,
+                                            "max_num_seqs": info.max_num_seqs,
+                                            "server": args.server or "in-process"})
+    workload = workload_from_args(args, remote_token_source(client, facts), facts.max_model_len)
+    report["workload"] = workload_facts(workload)
+    concurrency = args.max_concurrency or info.max_num_seqs  # llama.cpp's n_seq_max
+    slos = {"ttft_slo": _seconds(args.ttft_slo), "tpot_slo": _seconds(args.tpot_slo)}
+    settings = {"request_rate": args.request_rate, "seed": args.seed}
+    report["slo"] = slos
+    if args.warmup:
+        run_serving(client, perturbed(workload, facts.vocab_size).requests,
+                    max_concurrency=args.max_concurrency, timeout=args.timeout, **settings)
+    records, seconds = run_serving(client, workload.requests,
+                                   max_concurrency=args.max_concurrency,
+                                   timeout=args.timeout, **settings)
+    tag = {"concurrency": args.max_concurrency or len(workload.requests), **settings}
+    report["jaxinfer"] = {"runs": [{**tag, **run_summary(records, seconds, **slos)}]}
+    if load_s is not None:
+        report["jaxinfer"]["load_s"] = load_s
+    if peer is not None:
+        arrivals = arrival_offsets(len(workload.requests), args.request_rate, args.seed)
+        theirs, their_seconds = peer.generate(workload.requests, concurrency, arrivals)
+        report[PEER] = {"runs": [{**tag, **run_summary(theirs, their_seconds, **slos)}],
+                        "load_s": peer.load_seconds}
+    return report
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000

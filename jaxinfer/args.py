@@ -1,0 +1,115 @@
+"""The flags the `jaxinfer` commands share, and what they build from them.
+
+The engine's commands (`jaxinfer.cli`, `jaxinfer.bench.cli`) and the server's
+(`serve.cli`) all import this module, and it imports none of them: arrows
+point down. Every `choices=` comes from `jaxinfer.choices` and every engine
+flag from an `EngineConfig` field. Importing this module loads no JAX, so
+`--help` and a mistyped flag answer at once; the handlers load what they use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from jaxinfer import compilation_cache
+from jaxinfer.choices import (
+    ATTENTION_IMPLS,
+    DTYPE_NAMES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+)
+from jaxinfer.engine.config import EngineConfig, list_engine_presets, load_engine_preset
+
+if TYPE_CHECKING:
+    from jaxinfer.weights import LoadedModel
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand of `jaxinfer`: `add_arguments` adds its flags and sets `handler`,
+    a function of the parsed arguments that returns the exit status."""
+
+    name: str
+    help: str
+    add_arguments: AddArguments
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gemma3-270m",
+                        help="preset name, GGUF file, HF folder or jaxinfer checkpoint")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    add_quantization_flags(parser)
+
+
+def add_quantization_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                        help="weight format, converted at load (default: none = float); "
+                        "w8a8 also quantizes activations in batched steps")
+    parser.add_argument("--quant-group-size", type=int, default=128,
+                        help="int4 group size along the input dimension (default 128)")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field; unset flags keep the preset's (or the default) value."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--engine-preset", default=None,
+                       help="configs/engine/<name>.toml: " + ", ".join(list_engine_presets()))
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=None)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=None)
+    group.add_argument("--kv-cache-memory", type=int, default=None,
+                       help="bytes for the KV pool (default: fits the batch on CPU, "
+                       "--kv-cache-fraction of free memory on accelerators)")
+    group.add_argument("--kv-cache-fraction", type=float, default=None,
+                       help="share of free accelerator memory for the KV pool, in (0, 1] "
+                       "(default 0.9; unused with --kv-cache-memory or on CPU)")
+    group.add_argument("--attention-impl", default=None, choices=ATTENTION_IMPLS,
+                       help="xla (reference, CPU default) or the Pallas kernels")
+    group.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                       help="auto: the model dtype; int8: int8 K/V with one f32 scale per "
+                       "token and head (about 4x the tokens of a float32 cache)")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", default=None)
+    group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
+                       action="store_false", default=None)
+
+
+def add_compilation_cache_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                        help="persistent XLA compilation cache (default: "
+                        f"${compilation_cache.ENV_VAR} or {compilation_cache.default_dir()}; "
+                        f"'{compilation_cache.OFF}' turns it off)")
+
+
+def enable_compilation_cache(args: argparse.Namespace) -> None:
+    """The cache `--compilation-cache-dir` asks for; call before anything compiles."""
+    compilation_cache.enable(args.compilation_cache_dir)
+
+
+def load_from_args(args: argparse.Namespace, source: str | None = None,
+                   quantization: str | None = None) -> LoadedModel:
+    """load_model with the model flags (`source`/`quantization` override them)."""
+    from jaxinfer.weights import load_model
+
+    return load_model(source or args.model, dtype=args.dtype,
+                      load_format=getattr(args, "load_format", "auto"),
+                      quantization=quantization or args.quantization,
+                      quant_group_size=args.quant_group_size)
+
+
+def engine_config_from_args(args: argparse.Namespace, **defaults: object) -> EngineConfig:
+    """EngineConfig from --engine-preset, then `defaults`, then explicit flags."""
+    base = load_engine_preset(args.engine_preset) if args.engine_preset else EngineConfig()
+    if not args.engine_preset:
+        base = base.replace(**defaults)
+    return base.replace(**{f.name: getattr(args, f.name)
+                           for f in dataclasses.fields(EngineConfig)})
