@@ -281,7 +281,7 @@ LLAMA_CPP = Setting("llama.cpp", quantization="gguf", kv_cache_dtype="f16")
 
 
 @dataclass
-class Row:
+class SettingScores:
     """One setting's perplexity on each text, and how long the scoring took."""
 
     setting: Setting
@@ -305,7 +305,7 @@ class EvalTask:
 
 
 def score_setting(task: EvalTask, setting: Setting, loaded: LoadedModel,
-                  engine_config: EngineConfig) -> Row:
+                  engine_config: EngineConfig) -> SettingScores:
     """Serve `loaded` with the setting's KV cache type and score every text."""
     from jaxinfer.llm import LLM
 
@@ -317,7 +317,7 @@ def score_setting(task: EvalTask, setting: Setting, loaded: LoadedModel,
     config = engine_config.replace(kv_cache_dtype=setting.kv_cache_dtype)
     llm = LLM(loaded=loaded, engine_config=config)
     results = perplexities(llm, task.sequences, max_len=task.max_len, stride=task.stride)
-    return Row(setting, results, time.perf_counter() - start)
+    return SettingScores(setting, results, time.perf_counter() - start)
 
 
 def setting_for(quantization: str, kv_cache_dtype: str) -> Setting:
@@ -330,10 +330,10 @@ def setting_for(quantization: str, kv_cache_dtype: str) -> Setting:
 def score_settings(settings: Sequence[Setting], load: Callable[[str], LoadedModel],
                    engine_config: EngineConfig, *, texts: Sequence[str], num_tokens: int,
                    max_len: int = DEFAULT_MAX_LEN, stride: int | None = None,
-                   ) -> tuple[list[Row], EvalTask]:
+                   ) -> tuple[list[SettingScores], EvalTask]:
     """Score each setting in turn; `load(quantization)` gives a LoadedModel. Weights
     load once per run of settings with the same quantization, and one at a time."""
-    rows: list[Row] = []
+    rows: list[SettingScores] = []
     loaded, task = None, None
     for setting in settings:
         reused = loaded is not None and loaded.quantization == setting.quantization
@@ -351,7 +351,7 @@ def score_settings(settings: Sequence[Setting], load: Callable[[str], LoadedMode
     return rows, task
 
 
-def score_llama_cpp(task: EvalTask, model: str | Path) -> Row:
+def score_llama_cpp(task: EvalTask, model: str | Path) -> SettingScores:
     """The same token ids and windows under llama.cpp, in a child process: a crash in
     the native library is reported as an error instead of ending this process."""
     from jaxinfer.bench.llama_cpp_peer import default_gguf
@@ -368,10 +368,10 @@ def score_llama_cpp(task: EvalTask, model: str | Path) -> Row:
             raise ModelLoadError(f"llama.cpp crashed while scoring {path.name} (its process "
                                  "died; try the llama-cpp-python build on a plain completion)"
                                  ) from exc
-    return Row(LLAMA_CPP, results, time.perf_counter() - start)
+    return SettingScores(LLAMA_CPP, results, time.perf_counter() - start)
 
 
-def format_table(rows: Sequence[Row], task: EvalTask) -> str:
+def format_table(rows: Sequence[SettingScores], task: EvalTask) -> str:
     """One line per text and one for the mean (columns: settings), then each
     setting's mean ratio to the first column."""
     width = max(12, *(len(r.setting.name) + 2 for r in rows))
@@ -386,7 +386,7 @@ def format_table(rows: Sequence[Row], task: EvalTask) -> str:
     return "\n".join(lines)
 
 
-def report_json(rows: Sequence[Row], task: EvalTask) -> dict[str, object]:
+def report_json(rows: Sequence[SettingScores], task: EvalTask) -> dict[str, object]:
     """The report as plain data: per setting, the mean and each text's ppl and NLL."""
     base = rows[0].mean.ppl
     return {

@@ -20,7 +20,7 @@ KV layout: one pool per layer of `num_blocks` blocks of `block_size` tokens,
 sized from a memory budget; `kv_cache_dtype="int8"` stores int8 K/V plus one
 f32 scale per token and KV head, so the same budget holds more blocks. The
 caller (the host loop and its block allocator) owns the block tables; the
-runner turns them into the slot mapping (where each new token's K/V is
+runner turns them into the KV write rows (where each new token's K/V is
 written) and the padded block-table array the attention reads through.
 Slots only index the per-sequence penalty state.
 """
@@ -160,8 +160,9 @@ class PendingStep:
 
 
 @dataclass
-class Row:
-    """One sequence's part of a step, as the host describes it."""
+class SequenceQuery:
+    """One sequence's query tokens in a step (a prompt chunk or its last sampled token),
+    and what to do with them, as the host describes it."""
 
     slot: int  # penalty-state row of the sequence
     token_ids: Sequence[int]  # tokens to run (a prompt chunk, or the last sampled token)
@@ -209,16 +210,16 @@ class ModelRunner:
         """Distinct compiled variants of the step function so far."""
         return self._step._cache_size()
 
-    def prefill(self, rows: Sequence[Row]) -> PendingStep:
-        """Run prompt chunks, one sequence per row; sample where a row `emit`s.
+    def prefill(self, queries: Sequence[SequenceQuery]) -> PendingStep:
+        """Run prompt chunks, one sequence per batch row; sample where a query `emit`s.
 
-        A row may start after a prefix whose K/V are already in its blocks (an
+        A chunk may start after a prefix whose K/V are already in its blocks (an
         earlier chunk, or a prefix-cache hit). Rows share one call, padded to
         the longest chunk; attention reads a power-of-two bucket of the longest
         context (like decode), so shapes are (rows, chunk, context) buckets.
         """
-        bucket = self.prefill_bucket(max(len(r.token_ids) for r in rows))
-        return self._dispatch(rows, bucket, is_prefill=True)
+        bucket = self.prefill_bucket(max(len(q.token_ids) for q in queries))
+        return self._dispatch(queries, bucket, is_prefill=True)
 
     def prefill_bucket(self, length: int) -> int:
         """The padded length of a call whose longest chunk has `length` tokens."""
@@ -233,9 +234,9 @@ class ModelRunner:
         is_output = np.arange(size) >= prompt_len
         self.penalties = self._record(self.penalties, np.int32(slot), tokens, is_output)
 
-    def decode(self, rows: Sequence[Row]) -> PendingStep:
-        """One new token for each row (its token_ids is the last sampled token)."""
-        return self._dispatch(rows, 1, is_prefill=False)
+    def decode(self, queries: Sequence[SequenceQuery]) -> PendingStep:
+        """One new token for each sequence (its token_ids is the last sampled token)."""
+        return self._dispatch(queries, 1, is_prefill=False)
 
     def _max_tokens_bucket(self) -> int:
         return self.cache.max_blocks_per_seq * self.cache.block_size
@@ -283,10 +284,13 @@ class ModelRunner:
             num_top_logprobs=0, prompt_logprobs=False, is_prefill=is_prefill,
         )
 
-    def _dispatch(self, rows: Sequence[Row], length: int, *, is_prefill: bool) -> PendingStep:
-        batch = self._batch(rows, next_power_of_two(len(rows), 1), length, is_prefill)
-        params = [r.params for r in rows]
-        sampling = make_sampling_arrays(params, [r.seed for r in rows], [r.step for r in rows],
+    def _dispatch(
+        self, queries: Sequence[SequenceQuery], length: int, *, is_prefill: bool
+    ) -> PendingStep:
+        batch = self._batch(queries, next_power_of_two(len(queries), 1), length, is_prefill)
+        params = [q.params for q in queries]
+        sampling = make_sampling_arrays(params, [q.seed for q in queries],
+                                        [q.step for q in queries],
                                         batch.tokens.shape[0])
         num_top = max((p.logprobs or 0) for p in params)
         want_prompt = is_prefill and any(p.prompt_logprobs is not None for p in params)
@@ -298,7 +302,8 @@ class ModelRunner:
         return PendingStep(output)
 
     def _batch(
-        self, rows: Sequence[Row], b: int, t: int, is_prefill: bool, width: int | None = None
+        self, queries: Sequence[SequenceQuery], b: int, t: int, is_prefill: bool,
+        width: int | None = None,
     ) -> StepBatch:
         """Pad rows to [b, t]; padding rows point at the scratch slot and drop their K/V."""
         bs = self.cache.block_size
@@ -306,7 +311,7 @@ class ModelRunner:
             "tokens": np.zeros((b, t), np.int32),
             "targets": np.zeros((b, t), np.int32),
             "positions": np.zeros((b, t), np.int32),
-            "slot_mapping": np.full((b, t), self.kv.num_rows, np.int32),  # out of range
+            "kv_rows": np.full((b, t), self.kv.num_rows, np.int32),  # out of range
             "valid": np.zeros((b, t), np.bool_),
             "is_output": np.zeros((b, t), np.bool_),
             "context": np.zeros((b,), np.int32),
@@ -315,15 +320,15 @@ class ModelRunner:
             "fresh": np.zeros((b,), np.bool_),
             "emit": np.zeros((b,), np.bool_),
         }
-        for i, row in enumerate(rows):
-            _fill_row(arrays, i, row, bs)
+        for i, query in enumerate(queries):
+            _fill_row(arrays, i, query, bs)
         if width is None:  # attention reads only a bucket of the longest context
             width = self.context_width(int(arrays["context"].max()))
         tables = np.zeros((b, width), np.int32)  # padding entries read block 0, masked
-        for i, row in enumerate(rows):
-            used = min(len(row.block_table), width)
-            tables[i, :used] = row.block_table[:used]
-        meta = AttentionMetadata(arrays["positions"], arrays["slot_mapping"], tables,
+        for i, query in enumerate(queries):
+            used = min(len(query.block_table), width)
+            tables[i, :used] = query.block_table[:used]
+        meta = AttentionMetadata(arrays["positions"], arrays["kv_rows"], tables,
                                  arrays["context"])
         return StepBatch(
             tokens=arrays["tokens"], meta=meta, last_index=arrays["last_index"],
@@ -363,21 +368,23 @@ def _powers_of_two(top: int, start: int = 1) -> list[int]:
     return out
 
 
-def _fill_row(arrays: dict[str, np.ndarray], i: int, row: Row, block_size: int) -> None:
-    n = len(row.token_ids)
-    pos = np.arange(row.start, row.start + n, dtype=np.int32)
-    blocks = np.asarray(row.block_table, np.int32)[pos // block_size]
-    arrays["tokens"][i, :n] = row.token_ids
-    arrays["targets"][i, : len(row.targets)] = row.targets
+def _fill_row(
+    arrays: dict[str, np.ndarray], i: int, query: SequenceQuery, block_size: int
+) -> None:
+    n = len(query.token_ids)
+    pos = np.arange(query.start, query.start + n, dtype=np.int32)
+    blocks = np.asarray(query.block_table, np.int32)[pos // block_size]
+    arrays["tokens"][i, :n] = query.token_ids
+    arrays["targets"][i, : len(query.targets)] = query.targets
     arrays["positions"][i, :n] = pos
-    arrays["slot_mapping"][i, :n] = blocks * block_size + pos % block_size
+    arrays["kv_rows"][i, :n] = blocks * block_size + pos % block_size
     arrays["valid"][i, :n] = True
-    arrays["is_output"][i, :n] = pos >= row.prompt_len
-    arrays["context"][i] = row.start + n
-    arrays["slots"][i] = row.slot
+    arrays["is_output"][i, :n] = pos >= query.prompt_len
+    arrays["context"][i] = query.start + n
+    arrays["slots"][i] = query.slot
     arrays["last_index"][i] = n - 1
-    arrays["fresh"][i] = row.start == 0
-    arrays["emit"][i] = row.emit
+    arrays["fresh"][i] = query.start == 0
+    arrays["emit"][i] = query.emit
 
 
 def _bucket_logprobs(k: int) -> int:

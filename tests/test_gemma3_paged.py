@@ -26,16 +26,16 @@ def paged_prompts(cases: list[dict], bucket: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     tables, num_blocks = shuffled_block_tables(rng, len(cases), bucket // BLOCK, spare_blocks=5)
     tokens = np.zeros((len(cases), bucket), np.int32)
-    slots = np.full((len(cases), bucket), num_blocks * BLOCK, np.int32)
+    kv_rows = np.full((len(cases), bucket), num_blocks * BLOCK, np.int32)
     lengths = np.array([len(c["prompt_ids"]) for c in cases], np.int32)
     for row, case in enumerate(cases):
         n = lengths[row]
         tokens[row, :n] = case["prompt_ids"]
         pos = np.arange(n)
-        slots[row, :n] = tables[row, pos // BLOCK] * BLOCK + pos % BLOCK
+        kv_rows[row, :n] = tables[row, pos // BLOCK] * BLOCK + pos % BLOCK
     meta = AttentionMetadata(
         positions=np.broadcast_to(np.arange(bucket, dtype=np.int32), tokens.shape).copy(),
-        slot_mapping=slots, block_tables=tables, context_lens=lengths,
+        kv_rows=kv_rows, block_tables=tables, context_lens=lengths,
     )
     return tokens, meta, num_blocks * BLOCK, lengths
 

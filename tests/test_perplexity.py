@@ -170,10 +170,10 @@ def test_all_settings_load_each_weight_format_once(monkeypatch) -> None:
         return SimpleNamespace(quantization=quantization, tokenizer=None, load_seconds=0.0,
                                config=SimpleNamespace(vocab_size=256), source="fake")
 
-    def score(task, setting, loaded, engine_config) -> evaluate.Row:
+    def score(task, setting, loaded, engine_config) -> evaluate.SettingScores:
         served.append((setting.name, loaded.quantization, setting.kv_cache_dtype))
         assert [len(ids) for ids in task.sequences] == [10, 10]
-        return evaluate.Row(setting, [PerplexityResult(np.full(9, -1.0))] * 2, 0.0)
+        return evaluate.SettingScores(setting, [PerplexityResult(np.full(9, -1.0))] * 2, 0.0)
 
     monkeypatch.setattr(evaluate, "score_setting", score)
     rows, _ = evaluate.score_settings(evaluate.ALL_SETTINGS, load, None, texts=("jax", "rich"),

@@ -9,7 +9,7 @@ import pytest
 
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.scheduler import Scheduler, Sequence, Status
+from jaxinfer.engine.scheduler import Scheduler, SequenceState, Status
 from jaxinfer.errors import ConfigError
 
 
@@ -50,10 +50,10 @@ def test_scheduler_and_block_manager_import_no_jax() -> None:
 
 def test_long_prompt_is_chunked_beside_decodes() -> None:
     scheduler = make(max_num_batched_tokens=16)
-    short = Sequence("a", list(range(5)), max_tokens=10)
+    short = SequenceState("a", list(range(5)), max_tokens=10)
     scheduler.add(short)
     run_step(scheduler)  # prefill of the short prompt
-    long = Sequence("b", list(range(100, 140)), max_tokens=10)
+    long = SequenceState("b", list(range(100, 140)), max_tokens=10)
     scheduler.add(long)
     sizes = []
     for _ in range(3):
@@ -66,7 +66,7 @@ def test_long_prompt_is_chunked_beside_decodes() -> None:
 
 def test_without_chunking_a_prompt_waits_for_room() -> None:
     scheduler = make(max_num_batched_tokens=64, enable_chunked_prefill=False)
-    first, second = (Sequence(r, list(range(40)), max_tokens=4) for r in "ab")
+    first, second = (SequenceState(r, list(range(40)), max_tokens=4) for r in "ab")
     scheduler.add(first)
     scheduler.add(second)
     plan = scheduler.schedule()
@@ -80,7 +80,7 @@ def test_budget_validation_without_chunking() -> None:
 
 def test_max_num_seqs_bounds_running() -> None:
     scheduler = make(max_num_seqs=2)
-    seqs = [Sequence(str(i), [1, 2, 3], max_tokens=4) for i in range(4)]
+    seqs = [SequenceState(str(i), [1, 2, 3], max_tokens=4) for i in range(4)]
     for seq in seqs:
         scheduler.add(seq)
     run_step(scheduler)
@@ -92,7 +92,8 @@ def test_max_num_seqs_bounds_running() -> None:
 
 def test_newest_is_preempted_when_blocks_run_out() -> None:
     scheduler = make(num_blocks=4, block_size=4)  # 16 tokens in all
-    old, new = Sequence("old", [1] * 7, max_tokens=20), Sequence("new", [2] * 7, max_tokens=20)
+    old = SequenceState("old", [1] * 7, max_tokens=20)
+    new = SequenceState("new", [2] * 7, max_tokens=20)
     scheduler.add(old)
     scheduler.add(new)
     run_step(scheduler)  # both prefilled: 8 tokens each after sampling, pool full
@@ -106,10 +107,10 @@ def test_newest_is_preempted_when_blocks_run_out() -> None:
 def test_prefix_cache_hit_skips_computed_blocks() -> None:
     scheduler = make()
     prompt = list(range(10))
-    first = Sequence("a", prompt, max_tokens=2)
+    first = SequenceState("a", prompt, max_tokens=2)
     scheduler.add(first)
     run_step(scheduler)
-    second = Sequence("b", [*prompt[:8], 99, 98], max_tokens=2)
+    second = SequenceState("b", [*prompt[:8], 99, 98], max_tokens=2)
     scheduler.add(second)
     plan = run_step(scheduler)
     (chunk,) = [c for c in plan.prefills if c.seq is second]
@@ -119,8 +120,8 @@ def test_prefix_cache_hit_skips_computed_blocks() -> None:
 
 def test_sibling_waits_for_the_first_samples_prompt() -> None:
     scheduler = make()
-    first = Sequence("r", list(range(12)), max_tokens=3)
-    sibling = Sequence("r", list(range(12)), max_tokens=3, sample_index=1, wait_for=first)
+    first = SequenceState("r", list(range(12)), max_tokens=3)
+    sibling = SequenceState("r", list(range(12)), max_tokens=3, sample_index=1, wait_for=first)
     scheduler.add(first)
     scheduler.add(sibling)
     plan = run_step(scheduler)
@@ -132,7 +133,7 @@ def test_sibling_waits_for_the_first_samples_prompt() -> None:
 
 def test_finish_frees_blocks_and_slot() -> None:
     scheduler = make()
-    seq = Sequence("a", list(range(9)), max_tokens=3)
+    seq = SequenceState("a", list(range(9)), max_tokens=3)
     scheduler.add(seq)
     run_step(scheduler)
     used = scheduler.blocks.num_used

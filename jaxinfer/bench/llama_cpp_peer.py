@@ -4,7 +4,7 @@ It runs on the same GGUF with llama.cpp's own multi-sequence batching through
 the low-level API: one `llama_batch` per step holds the new prompts' tokens
 (several sequences packed, up to `n_batch` tokens) or one token of every
 running sequence, each tagged with its `seq_id`; greedy argmax of each
-sequence's logits picks its next token. Sequences are admitted as slots free
+sequence's logits picks its next token. Sequences are admitted as room frees
 up (continuous batching, at most `n_seq_max` at once) and, given arrival
 times, no earlier than their arrival (for the serving comparison). Exactly
 `output_len` tokens are generated per request, EOS ignored, as on our side.
@@ -61,7 +61,7 @@ def default_gguf(model: str) -> Path:
 
 
 @dataclass
-class _Slot:
+class _PeerSequence:
     """A running sequence: its request, tokens so far and their arrival times."""
 
     seq_id: int
@@ -176,16 +176,16 @@ class LlamaCppPeer:
             admitted = _admit(waiting, free, requests, due)
             if admitted:
                 _prefill(ctx, admitted)
-                running |= {index: slot for index, slot in admitted}
+                running |= {index: seq for index, seq in admitted}
             elif not running:
                 time.sleep(max(0.0, due[waiting[0]] - time.perf_counter()))
                 continue
             _decode(ctx, [s for s in running.values() if not s.done])
             for index in [i for i, s in running.items() if s.done]:
-                slot = running.pop(index)
-                records[index] = slot.record()
-                ctx.forget(slot.seq_id)
-                free.append(slot.seq_id)
+                seq = running.pop(index)
+                records[index] = seq.record()
+                ctx.forget(seq.seq_id)
+                free.append(seq.seq_id)
         return [r for r in records if r is not None], time.perf_counter() - start
 
     def close(self) -> None:
@@ -196,42 +196,42 @@ class LlamaCppPeer:
 
 
 def _admit(waiting: deque[int], free: list[int], requests: Sequence[BenchRequest],
-           due: Sequence[float]) -> list[tuple[int, _Slot]]:
+           due: Sequence[float]) -> list[tuple[int, _PeerSequence]]:
     """Take waiting requests that have arrived, while sequence ids are free."""
     admitted = []
     now = time.perf_counter()
     while waiting and free and due[waiting[0]] <= now:
         index = waiting.popleft()
-        admitted.append((index, _Slot(free.pop(), requests[index], due[index])))
+        admitted.append((index, _PeerSequence(free.pop(), requests[index], due[index])))
     return admitted
 
 
-def _prefill(ctx: _Context, admitted: list[tuple[int, _Slot]]) -> None:
+def _prefill(ctx: _Context, admitted: list[tuple[int, _PeerSequence]]) -> None:
     """All new prompts, packed into batches of N_BATCH tokens; each gets its first token."""
-    entries = [(token, position, slot.seq_id, position == len(slot.request.prompt_ids) - 1)
-               for _, slot in admitted for position, token in enumerate(slot.request.prompt_ids)]
+    entries = [(token, position, seq.seq_id, position == len(seq.request.prompt_ids) - 1)
+               for _, seq in admitted for position, token in enumerate(seq.request.prompt_ids)]
     firsts = []
     for chunk in _chunks(entries, N_BATCH):
         firsts += ctx.decode(chunk)
     now = time.perf_counter()
-    for (_, slot), token in zip(admitted, firsts, strict=True):
-        slot.tokens.append(token)
-        slot.stamps.append(now)
+    for (_, seq), token in zip(admitted, firsts, strict=True):
+        seq.tokens.append(token)
+        seq.stamps.append(now)
 
 
-def _decode(ctx: _Context, slots: list[_Slot]) -> None:
+def _decode(ctx: _Context, seqs: list[_PeerSequence]) -> None:
     """One token for every running sequence, in one batch."""
-    if not slots:
+    if not seqs:
         return
     entries = [(s.tokens[-1], len(s.request.prompt_ids) + len(s.tokens) - 1, s.seq_id, True)
-               for s in slots]
+               for s in seqs]
     tokens = []
     for chunk in _chunks(entries, N_BATCH):
         tokens += ctx.decode(chunk)
     now = time.perf_counter()
-    for slot, token in zip(slots, tokens, strict=True):
-        slot.tokens.append(token)
-        slot.stamps.append(now)
+    for seq, token in zip(seqs, tokens, strict=True):
+        seq.tokens.append(token)
+        seq.stamps.append(now)
 
 
 def _chunks(items: list[Entry], size: int) -> Iterator[list[Entry]]:

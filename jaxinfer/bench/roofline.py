@@ -101,7 +101,7 @@ def step_lowering(
     cache, config = runner.cache, runner.config
     kv = jax.eval_shape(partial(init_kv_cache, config, b * width * cache.block_size,
                                 runner.dtype, cache.kv_cache_dtype))
-    meta = AttentionMetadata(positions=_int32(b, t), slot_mapping=_int32(b, t),
+    meta = AttentionMetadata(positions=_int32(b, t), kv_rows=_int32(b, t),
                              block_tables=_int32(b, width), context_lens=_int32(b))
     step = jax.jit(partial(_sampled_step, config=config, block_size=cache.block_size,
                            attention_fn=get_attention_fn(cache.attention_impl),

@@ -25,8 +25,7 @@ import numpy as np
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.metrics import EngineStats
-from jaxinfer.engine.scheduler import PrefillChunk, Scheduler
-from jaxinfer.engine.scheduler import Sequence as SchedSeq
+from jaxinfer.engine.scheduler import PrefillChunk, Scheduler, SequenceState
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import (
     CompletionOutput,
@@ -40,7 +39,7 @@ from jaxinfer.runner import (
     MIN_PREFILL_BUCKET,
     ModelRunner,
     PendingStep,
-    Row,
+    SequenceQuery,
     StepResult,
     next_power_of_two,
 )
@@ -53,7 +52,7 @@ from jaxinfer.weights import LoadedModel
 class _Sample:
     """Host-side state of one sample: its scheduler sequence and its output."""
 
-    seq: SchedSeq
+    seq: SequenceState
     output: CompletionOutput
     request: _Request
     seed: int
@@ -144,7 +143,7 @@ class LLMEngine:
         # dispatch every device call of the step first, then read results in order
         pending = [(group, self._dispatch_prefills(group))
                    for group in _group_by_bucket(plan.prefills)]
-        decoding = self.runner.decode([self._decode_row(s) for s in plan.decodes]) if (
+        decoding = self.runner.decode([self._decode_query(s) for s in plan.decodes]) if (
             plan.decodes) else None
         for group, step in pending:
             deltas += self._accept_prefills(group, step.result())
@@ -218,9 +217,9 @@ class LLMEngine:
             stop_ids |= set(self._eos_ids())
         request = _Request(output, params, frozenset(stop_ids))
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-        first: SchedSeq | None = None
+        first: SequenceState | None = None
         for index in range(params.n):
-            seq = SchedSeq(request_id, ids, params.max_tokens, sample_index=index,
+            seq = SequenceState(request_id, ids, params.max_tokens, sample_index=index,
                            wait_for=first, use_prefix_cache=params.prompt_logprobs is None)
             first = first or seq
             logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
@@ -276,7 +275,7 @@ class LLMEngine:
                 seq = chunk.seq  # a prefix-cache hit: penalties start from the cached tokens
                 self.runner.record_history(seq.slot, seq.tokens(0, chunk.start),
                                            len(seq.prompt_ids))
-        return self.runner.prefill([self._prefill_row(chunk) for chunk in chunks])
+        return self.runner.prefill([self._prefill_query(chunk) for chunk in chunks])
 
     def _accept_prefills(
         self, chunks: list[PrefillChunk], result: StepResult
@@ -291,7 +290,7 @@ class LLMEngine:
         return deltas
 
     def _accept_decodes(
-        self, seqs: list[SchedSeq], result: StepResult
+        self, seqs: list[SequenceState], result: StepResult
     ) -> list[StreamDelta]:
         deltas = []
         for i, seq in enumerate(seqs):
@@ -299,20 +298,20 @@ class LLMEngine:
             deltas += self._accept(self._samples[seq.seq_id], result, i)
         return deltas
 
-    def _prefill_row(self, chunk: PrefillChunk) -> Row:
+    def _prefill_query(self, chunk: PrefillChunk) -> SequenceQuery:
         seq, sample = chunk.seq, self._samples[chunk.seq.seq_id]
         stop = chunk.start + chunk.num_tokens
         wants_scores = sample.request.params.prompt_logprobs is not None
-        return Row(
+        return SequenceQuery(
             slot=seq.slot, token_ids=seq.tokens(chunk.start, stop), start=chunk.start,
             block_table=seq.block_table, params=sample.request.params, seed=sample.seed,
             step=len(seq.output_ids), prompt_len=len(seq.prompt_ids), emit=chunk.completes,
             targets=seq.tokens(chunk.start + 1, stop + 1) if wants_scores else (),
         )
 
-    def _decode_row(self, seq: SchedSeq) -> Row:
+    def _decode_query(self, seq: SequenceState) -> SequenceQuery:
         sample = self._samples[seq.seq_id]
-        return Row(
+        return SequenceQuery(
             slot=seq.slot, token_ids=[seq.output_ids[-1]], start=seq.num_tokens - 1,
             block_table=seq.block_table, params=sample.request.params, seed=sample.seed,
             step=len(seq.output_ids), prompt_len=len(seq.prompt_ids),

@@ -36,14 +36,14 @@ class Status(Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One sample of one request, as the scheduler sees it."""
 
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
     sample_index: int = 0
-    wait_for: Sequence | None = None  # a sibling whose prompt blocks this one will reuse
+    wait_for: SequenceState | None = None  # a sibling whose prompt blocks this one will reuse
     use_prefix_cache: bool = True  # off when every prompt position must be computed
     seq_id: int = field(default_factory=itertools.count().__next__)
     output_ids: list[int] = field(default_factory=list)
@@ -78,7 +78,7 @@ class Sequence:
 
 @dataclass
 class PrefillChunk:
-    seq: Sequence
+    seq: SequenceState
     start: int
     num_tokens: int
     first: bool = False  # the first chunk since (re)admission; start > 0 on a cache hit
@@ -92,8 +92,8 @@ class PrefillChunk:
 @dataclass
 class SchedulerOutput:
     prefills: list[PrefillChunk] = field(default_factory=list)
-    decodes: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    decodes: list[SequenceState] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -110,12 +110,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
         self.config = config
         self.blocks = blocks
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
         self._free_slots = list(range(config.max_num_seqs))[::-1]
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -138,7 +138,7 @@ class Scheduler:
                 budget -= 1
         return budget
 
-    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+    def _grow_or_preempt(self, seq: SequenceState, num_tokens: int, out: SchedulerOutput) -> bool:
         """Cover num_tokens with blocks, preempting the newest others; False if seq itself went."""
         while not self.blocks.grow(seq.block_table, num_tokens):
             victim = self.running[-1]
@@ -147,7 +147,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: SequenceState, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         if seq in out.decodes:
             out.decodes.remove(seq)
@@ -169,7 +169,7 @@ class Scheduler:
                 budget -= chunk
         return budget
 
-    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+    def _chunk_size(self, seq: SequenceState, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed
         if remaining <= budget:
             return remaining
@@ -186,7 +186,7 @@ class Scheduler:
                 return
             budget -= out.prefills[-1].num_tokens
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> bool:
+    def _admit(self, seq: SequenceState, out: SchedulerOutput, budget: int) -> bool:
         matched, cached = self.blocks.match_prefix(seq.all_ids) if seq.use_prefix_cache else (
             [], 0)
         seq.block_table, seq.num_computed = list(matched), cached
@@ -203,12 +203,12 @@ class Scheduler:
         out.prefills.append(PrefillChunk(seq, cached, chunk, first=True))
         return True
 
-    def on_computed(self, seq: Sequence, num_tokens: int) -> None:
+    def on_computed(self, seq: SequenceState, num_tokens: int) -> None:
         """The device wrote K/V for num_tokens more tokens of seq."""
         seq.num_computed += num_tokens
         self.blocks.commit(seq.block_table, seq.all_ids, seq.num_computed)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: SequenceState) -> None:
         """Retire a sequence (finished or aborted) and free what it holds."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
@@ -217,7 +217,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: SequenceState) -> None:
         self.blocks.free(seq.block_table[::-1])  # tail first: the prefix is evicted last
         seq.block_table = []
         self._free_slots.append(seq.slot)

@@ -87,14 +87,14 @@ def kv_bytes_per_token(config: ModelConfig, dtype: jnp.dtype, kv_cache_dtype: st
 
 
 def write_kv_cache(
-    kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+    kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, kv_rows: jax.Array
 ) -> KVCache:
-    """Write one layer's new k, v [B, T, KV, hd] at `slot_mapping` [B, T] (int8: quantized)."""
+    """Write one layer's new k, v [B, T, KV, hd] at `kv_rows` [B, T] (int8: quantized)."""
     if kv.k_scale is None:
-        return kv.replace(k=write_kv(kv.k, layer, k, slot_mapping),
-                          v=write_kv(kv.v, layer, v, slot_mapping))
-    k_pool, k_scale = write_kv_int8(kv.k, kv.k_scale, layer, k, slot_mapping)
-    v_pool, v_scale = write_kv_int8(kv.v, kv.v_scale, layer, v, slot_mapping)
+        return kv.replace(k=write_kv(kv.k, layer, k, kv_rows),
+                          v=write_kv(kv.v, layer, v, kv_rows))
+    k_pool, k_scale = write_kv_int8(kv.k, kv.k_scale, layer, k, kv_rows)
+    v_pool, v_scale = write_kv_int8(kv.v, kv.v_scale, layer, v, kv_rows)
     return KVCache(k=k_pool, v=v_pool, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -168,7 +168,7 @@ def dense_forward(params: Params, config: ModelConfig, tokens: jax.Array) -> jax
     kv = init_kv_cache(config, b * t, compute_dtype(params))
     meta = AttentionMetadata(
         positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-        slot_mapping=jnp.arange(b * t, dtype=jnp.int32).reshape(b, t),
+        kv_rows=jnp.arange(b * t, dtype=jnp.int32).reshape(b, t),
         block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
         context_lens=jnp.full((b,), t, jnp.int32),
     )
@@ -193,7 +193,7 @@ def _decoder_layer(
     eps, offset = config.norm_eps, config.norm_offset
     x = capture.tap("attn_in", rms_norm(h, layer["attn_norm"], eps, offset))
     q, k, v = _project_qkv(config, layer, x, cos, sin)
-    kv = write_kv_cache(kv, index, k, v, meta.slot_mapping)
+    kv = write_kv_cache(kv, index, k, v, meta.kv_rows)
     attn = attention_fn(
         q, kv.k, kv.v, index, meta, block_size=block_size, scale=config.attn_scale,
         window=window, softcap=config.attn_logit_softcap, k_scale=kv.k_scale,

@@ -82,19 +82,19 @@ def _pallas_attention(
 def _kernel_arrays(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
     """What attention reads of the metadata, in the kernels' argument order.
 
-    The slot mapping is left out: it belongs to the KV write (`write_kv`).
+    The KV write rows are left out: they belong to the KV write (`write_kv`).
     """
     return meta.positions, meta.block_tables, meta.context_lens
 
 
 def write_kv(
-    pool: jax.Array, layer: jax.Array, new: jax.Array, slot_mapping: jax.Array
+    pool: jax.Array, layer: jax.Array, new: jax.Array, kv_rows: jax.Array
 ) -> jax.Array:
     """Scatter new [B, T, KV, ...] into pool [L, rows, KV, ...] at `layer`.
 
     Padding tokens carry out-of-range slots and are dropped.
     """
-    rows = slot_mapping.reshape(-1)
+    rows = kv_rows.reshape(-1)
     values = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
     return pool.at[layer, rows].set(values, mode="drop")
 
@@ -104,8 +104,8 @@ def write_kv_int8(
     scales: jax.Array,  # [L, rows, KV] f32
     layer: jax.Array,
     new: jax.Array,  # [B, T, KV, hd]
-    slot_mapping: jax.Array,  # [B, T]
+    kv_rows: jax.Array,  # [B, T]
 ) -> tuple[jax.Array, jax.Array]:
     """Quantize new K or V per token and head, then scatter values and scales like `write_kv`."""
     values, scale = quantize_int8(new)  # [B, T, KV, hd] int8, [B, T, KV] f32
-    return write_kv(pool, layer, values, slot_mapping), write_kv(scales, layer, scale, slot_mapping)
+    return write_kv(pool, layer, values, kv_rows), write_kv(scales, layer, scale, kv_rows)

@@ -17,6 +17,6 @@ class AttentionMetadata:
     """Where the step's tokens sit in their sequences and in the KV pool."""
 
     positions: jax.Array  # [B, T] int32, absolute position of each query token
-    slot_mapping: jax.Array  # [B, T] int32, pool row for each new token (>= pool size: padding)
+    kv_rows: jax.Array  # [B, T] int32, pool row for each new token (>= pool size: padding)
     block_tables: jax.Array  # [B, max_blocks] int32, physical block of each logical block
     context_lens: jax.Array  # [B] int32, tokens in the cache after this step

@@ -93,7 +93,7 @@ _LAYOUTS: tuple[tuple[str, str], ...] = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 
 # Where a params leaf goes: (layer index or None for top-level, our name).
-Slot = tuple[int | None, str]
+ParamKey = tuple[int | None, str]
 
 
 # ----------------------------------------------------------------------------- config
@@ -275,7 +275,7 @@ def load_hf_folder(path: str | Path, dtype: Any = np.float32) -> tuple[ModelConf
     wanted = _wanted_tensors(config, prefix, head_name)
     optional = {head_name} if config.tie_embeddings else set()
     _check_names(index, wanted, optional, prefix, folder)
-    present = {name: slot for name, slot in wanted.items() if name in index}
+    present = {name: key for name, key in wanted.items() if name in index}
     tensors = _read_tensors(present, index, dtype)
     _check_tensor_shapes(config, present, tensors, folder)
     params = _assemble(config, tensors, folder)
@@ -338,11 +338,11 @@ def _find_layout(index: dict[str, Path], folder: Path) -> tuple[str, str]:
     )
 
 
-def _wanted_tensors(config: ModelConfig, prefix: str, head_name: str) -> dict[str, Slot]:
-    """HF tensor name -> params slot, for every weight the config needs (plus a tied
+def _wanted_tensors(config: ModelConfig, prefix: str, head_name: str) -> dict[str, ParamKey]:
+    """HF tensor name -> params key, for every weight the config needs (plus a tied
     model's lm_head, read if present so that it can be checked and dropped)."""
     names = HF_LAYER_NAMES[config.architecture]
-    wanted: dict[str, Slot] = {prefix + hf: (None, ours) for ours, hf in HF_TOP_NAMES.items()}
+    wanted: dict[str, ParamKey] = {prefix + hf: (None, ours) for ours, hf in HF_TOP_NAMES.items()}
     wanted[head_name] = (None, "lm_head")
     for i in range(config.num_layers):
         for ours in layer_param_shapes(config):
@@ -351,7 +351,8 @@ def _wanted_tensors(config: ModelConfig, prefix: str, head_name: str) -> dict[st
 
 
 def _check_names(
-    index: dict[str, Path], wanted: dict[str, Slot], optional: set[str], prefix: str, folder: Path
+    index: dict[str, Path], wanted: dict[str, ParamKey], optional: set[str], prefix: str,
+    folder: Path,
 ) -> None:
     """Every needed tensor present; nothing in the text model left unread."""
     missing = [name for name in wanted if name not in index and name not in optional]
@@ -373,10 +374,10 @@ def _short_list(names: list[str], limit: int = 8) -> str:
 
 
 def _read_tensors(
-    wanted: dict[str, Slot], index: dict[str, Path], dtype: Any
-) -> dict[Slot, np.ndarray]:
+    wanted: dict[str, ParamKey], index: dict[str, Path], dtype: Any
+) -> dict[ParamKey, np.ndarray]:
     """Read the wanted tensors, one file open at a time, converted to `dtype`."""
-    out: dict[Slot, np.ndarray] = {}
+    out: dict[ParamKey, np.ndarray] = {}
     for file in sorted({index[name] for name in wanted}):
         names = [name for name in wanted if index[name] == file]
         try:
@@ -389,27 +390,28 @@ def _read_tensors(
 
 
 def _check_tensor_shapes(
-    config: ModelConfig, names: dict[str, Slot], tensors: dict[Slot, np.ndarray], folder: Path
+    config: ModelConfig, names: dict[str, ParamKey], tensors: dict[ParamKey, np.ndarray],
+    folder: Path,
 ) -> None:
     """Name each misshapen tensor by its HF name (before stacking hides which layer)."""
     wrong = [
-        f"{name} has shape {tensors[slot].shape}, expected {_slot_shape(config, slot)}"
-        for name, slot in names.items()
-        if tensors[slot].shape != _slot_shape(config, slot)
+        f"{name} has shape {tensors[key].shape}, expected {_param_shape(config, key)}"
+        for name, key in names.items()
+        if tensors[key].shape != _param_shape(config, key)
     ]
     if wrong:
         raise ModelLoadError(f"{folder} does not match its config.json: {_short_list(wrong)}")
 
 
-def _slot_shape(config: ModelConfig, slot: Slot) -> tuple[int, ...]:
-    layer, ours = slot
+def _param_shape(config: ModelConfig, key: ParamKey) -> tuple[int, ...]:
+    layer, ours = key
     if layer is not None:
         return layer_param_shapes(config)[ours]
     return (config.d_model,) if ours == "final_norm" else (config.vocab_size, config.d_model)
 
 
-def _assemble(config: ModelConfig, tensors: dict[Slot, np.ndarray], folder: Path) -> Params:
-    """Slots -> the params pytree with [L, ...] stacked layers."""
+def _assemble(config: ModelConfig, tensors: dict[ParamKey, np.ndarray], folder: Path) -> Params:
+    """Param keys -> the params pytree with [L, ...] stacked layers."""
     per_layer = [
         {ours: tensors[(i, ours)] for ours in layer_param_shapes(config)}
         for i in range(config.num_layers)
