@@ -1,16 +1,23 @@
-"""Ragged paged attention: the jnp reference against a float64 dense oracle.
+"""Ragged paged attention: the jnp reference and the TPU kernel (TPU interpreter).
+
+The reference is checked against a float64 dense oracle, the kernel against
+both, on the same cases.
 
 Each case lays out sequences (query length, context length) back to back in a
 flat q, with padding tokens at the end and padding sequences after the live
 ones. Every live sequence's K/V go into layer 1 of a pool through a shuffled,
 non-contiguous block table (unused table entries name random blocks); every
 other row (layer 0, unowned blocks, tails past a context) is noise, or NaN in
-the poisoned cases. The oracle reads each sequence's K/V back from the exact
+the poisoned cases, where the table entries of pages no query reads (wholly
+outside the window, past the context, padding sequences) name blocks past the
+end of the pool, so a kernel copying one fails the interpreter's bounds check.
+The oracle reads each sequence's K/V back from the exact
 rows the builder wrote, in float64, and shares no code with the reference.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -21,13 +28,18 @@ import pytest
 from jaxinfer.ops.int8 import dequantize_int8, quantize_int8
 from jaxinfer.ops.types import NO_WINDOW
 from pallas_kernels.ragged_reference import query_tiles, ragged_paged_attention_reference
+from pallas_kernels.ragged_tpu import block_sequences, ragged_paged_attention_tpu
 
 LAYERS = 2
 LAYER = 1  # layer 0 is noise: reading it fails the comparison
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 STATIC = ("block_size", "scale", "softcap")
 
+KERNEL_OPTIONS = {"query_block": 8, "pages_per_step": 2}  # blocks cross sequences, 2+ chunks
+
 _reference = jax.jit(ragged_paged_attention_reference, static_argnames=STATIC)
+_tpu = jax.jit(functools.partial(ragged_paged_attention_tpu, interpret=True),
+               static_argnames=(*STATIC, "pages_per_step", "query_block"))
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,8 @@ def make_case(
     """Sequences given as (query length, context length) laid into a shuffled pool.
 
     poison_window: set every pool row no query can read under that window to NaN
-    (NaN scales for int8 pools) instead of noise.
+    (NaN scales for int8 pools) instead of noise, and point the table entries of
+    pages no query reads past the end of the pool.
     """
     rng = np.random.default_rng(seed)
     q_lens = np.array([n for n, _ in seqs] + [0] * pad_seqs, np.int32)
@@ -86,6 +99,12 @@ def make_case(
         seq_rows.append(rows)
         first = 0 if poison_window is None else max(0, c - n - poison_window + 1)
         readable[LAYER, rows[first:]] = True
+        if poison_window is not None:
+            unread = np.arange(width)
+            unread = (unread < first // block_size) | (unread >= -(-c // block_size))
+            table[s, unread] = num_blocks + 7
+    if poison_window is not None:
+        table[len(seqs):] = num_blocks + 7
     k_pool, v_pool, k_scale, v_scale = _store(k_pool, v_pool, dtype, int8)
     if poison_window is not None:
         for array in (k_scale, v_scale) if int8 else (k_pool, v_pool):
@@ -147,14 +166,23 @@ def attend(fn, case: Case, window: int, softcap: float | None = None, **options)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
-def assert_matches(case: Case, window: int, softcap: float | None = None) -> np.ndarray:
-    """Reference == float64 oracle (padding tokens exactly 0); returns the reference."""
+def assert_matches(case: Case, window: int, softcap: float | None = None,
+                   **kernel_options) -> np.ndarray:
+    """Reference == float64 oracle, kernel == reference and oracle; padding tokens exactly 0.
+
+    Returns the kernel's output.
+    """
+    tol = TOL[case.q.dtype.type]
+    oracle = dense_attention(case, window, softcap)
     want = attend(_reference, case, window, softcap)
-    np.testing.assert_allclose(want, dense_attention(case, window, softcap),
-                               atol=TOL[case.q.dtype.type], rtol=0)
+    np.testing.assert_allclose(want, oracle, atol=tol, rtol=0)
+    got = attend(_tpu, case, window, softcap, **{**KERNEL_OPTIONS, **kernel_options})
+    np.testing.assert_allclose(got, want, atol=tol, rtol=0)
+    np.testing.assert_allclose(got, oracle, atol=tol, rtol=0)
     live = int(case.query_start[int(case.num_seqs[0])])
     np.testing.assert_array_equal(want[live:], 0.0)
-    return want
+    np.testing.assert_array_equal(got[live:], 0.0)
+    return got
 
 
 # ----------------------------------------------------------------- cases
@@ -165,17 +193,17 @@ WINDOWED = [(10, 40), (1, 17), (33, 64)]
 
 
 @pytest.mark.parametrize("window", [NO_WINDOW, 512], ids=["global", "w512"])
-def test_reference_decodes_beside_a_long_chunk(window: int) -> None:
+def test_decodes_beside_a_long_chunk(window: int) -> None:
     case = make_case(MIXED, head_dim=128, seed=1)
-    assert_matches(case, window)
+    assert_matches(case, window, query_block=64, pages_per_step=8)
 
 
-def test_reference_chunks_after_cached_prefix() -> None:
+def test_chunks_after_cached_prefix() -> None:
     assert_matches(make_case(MID_BLOCK, kv_heads=2, seed=2), NO_WINDOW)
 
 
 @pytest.mark.parametrize("window", [1, 8, 40, 41, 100], ids=lambda w: f"w{w}")
-def test_reference_windows(window: int) -> None:
+def test_windows(window: int) -> None:
     assert_matches(make_case(WINDOWED, seed=3), window)  # 40: sequence 0's whole context
 
 
@@ -183,13 +211,13 @@ def test_reference_windows(window: int) -> None:
 @pytest.mark.parametrize(("group", "kv_heads", "head_dim"),
                          [(1, 2, 64), (4, 1, 256), (8, 2, 128)],
                          ids=["mha-hd64", "gqa4-mqa-hd256", "gqa8-hd128"])
-def test_reference_gqa_and_head_dims(group: int, kv_heads: int, head_dim: int, dtype) -> None:
+def test_gqa_and_head_dims(group: int, kv_heads: int, head_dim: int, dtype) -> None:
     case = make_case(MID_BLOCK, kv_heads=kv_heads, group=group, head_dim=head_dim,
                      dtype=dtype, seed=group)
     assert_matches(case, NO_WINDOW)
 
 
-def test_reference_softcap() -> None:
+def test_softcap() -> None:
     case = make_case(WINDOWED, seed=4)
     assert np.abs(dense_attention(case, NO_WINDOW, 2.0)
                   - dense_attention(case, NO_WINDOW)).max() > 1e-2  # the cap matters
@@ -197,17 +225,33 @@ def test_reference_softcap() -> None:
 
 
 @pytest.mark.parametrize("window", [NO_WINDOW, 16], ids=["global", "w16"])
-def test_reference_int8(window: int) -> None:
+def test_int8(window: int) -> None:
     assert_matches(make_case(MID_BLOCK, kv_heads=2, int8=True, seed=5), window, softcap=30.0)
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
-def test_reference_nan_in_unread_rows_never_leaks(int8: bool) -> None:
+def test_unread_pages_are_never_copied_and_nan_never_leaks(int8: bool) -> None:
     window = 8
     clean = make_case(WINDOWED, int8=int8, seed=6)
     poisoned = make_case(WINDOWED, int8=int8, poison_window=window, seed=6)
     got = assert_matches(poisoned, window)
-    np.testing.assert_array_equal(got, attend(_reference, clean, window))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, attend(_tpu, clean, window, **KERNEL_OPTIONS))
+    np.testing.assert_array_equal(attend(_reference, poisoned, window),
+                                  attend(_reference, clean, window))
+
+
+@pytest.mark.parametrize(("query_block", "pages_per_step"), [(1, 1), (16, 3), (64, 8)])
+def test_kernel_block_sizes(query_block: int, pages_per_step: int) -> None:
+    """One query row per block, blocks spanning several sequences, one chunk per sequence."""
+    case = make_case(MID_BLOCK, kv_heads=2, pad_tokens=6, seed=8)  # T = 48: no padding to 16
+    assert_matches(case, 16, query_block=query_block, pages_per_step=pages_per_step)
+
+
+def test_block_sequences() -> None:
+    starts = jnp.array([0, 5, 5, 40, 41, 41], jnp.int32)  # an empty live sequence, then padding
+    first, end = block_sequences(starts, jnp.array([4], jnp.int32), 4, 16)
+    assert first.tolist() == [0, 2, 2, 4] and end.tolist() == [3, 3, 4, 4]
 
 
 def test_query_tiles_cover_each_sequence_once() -> None:
@@ -255,8 +299,16 @@ def bad_arguments(case: Case) -> dict[str, tuple[dict, str]]:
 BAD_CASE = make_case([(3, 5), (1, 9), (16, 16)], kv_heads=2, group=2, seed=7)
 
 
+@pytest.mark.parametrize("fn", [ragged_paged_attention_reference, ragged_paged_attention_tpu],
+                         ids=["reference", "tpu"])
 @pytest.mark.parametrize("name", bad_arguments(BAD_CASE))
-def test_reference_rejects_bad_arguments(name: str) -> None:
+def test_rejects_bad_arguments(name: str, fn) -> None:
     change, message = bad_arguments(BAD_CASE)[name]
     with pytest.raises(ValueError, match=message):
-        ragged_paged_attention_reference(**{**_call_args(BAD_CASE), **change})
+        fn(**{**_call_args(BAD_CASE), **change})
+
+
+@pytest.mark.parametrize("option", ["pages_per_step", "query_block"])
+def test_kernel_rejects_bad_options(option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        ragged_paged_attention_tpu(**_call_args(BAD_CASE), **{option: 0}, interpret=True)
