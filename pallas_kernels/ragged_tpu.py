@@ -40,7 +40,9 @@ move: other rows see p = 0 and alpha = 1. V rows outside the live range are
 zeroed and masked keys get p = 0 (p * v_scale for int8), so stale rows and NaN
 scales never leak. Rows that saw no key (padding tokens) write zeros.
 
-TPU layout assumptions (real hardware; the interpreter checks none of them):
+TPU layout assumptions (real hardware; the interpreter checks none of them,
+and the tests lower the kernel through Pallas' Mosaic lowering on CPU, but
+Mosaic's own layout passes run only when a TPU compiles it; never run yet):
 - query_block * G is a multiple of 8 (sublanes), so q / out blocks are
   [8k, hd] with hd the full last dim: 128 and 256 are native lanes; hd = 64 is
   legal (full dim) but pads lanes to 128 in VMEM and halves MXU use.
@@ -242,12 +244,17 @@ def _span(seq: jax.Array, block_start: jax.Array, smem: _ScalarRefs, static: _St
     pos_offset = smem.context_lens[seq] - q_end
     first_key = jnp.maximum(q_lo + pos_offset - smem.layer_window[1] + 1, 0)
     end_key = q_hi + pos_offset
-    first_page = first_key // static.block_size
-    end_page = jnp.minimum(pl.cdiv(end_key, static.block_size), static.width)
-    chunks = jnp.maximum(pl.cdiv(end_page - first_page, static.pages), 0)
+    first_page = lax.div(first_key, static.block_size)
+    end_page = jnp.minimum(_ceil_div(jnp.maximum(end_key, 0), static.block_size), static.width)
+    chunks = _ceil_div(jnp.maximum(end_page - first_page, 0), static.pages)
     live = (q_hi > q_lo) & (end_key > first_key)
     return _Span(q_lo, q_hi, pos_offset, first_key, end_key, first_page, end_page,
                  jnp.where(live, chunks, 0))
+
+
+def _ceil_div(a: jax.Array, b: int) -> jax.Array:
+    """ceil(a / b) for a >= 0: truncating division, which Mosaic lowers without sign logic."""
+    return lax.div(a + (b - 1), b)
 
 
 def _kernel(*refs, static: _Static, num_pools: int, precision: lax.Precision) -> None:
@@ -342,7 +349,7 @@ def _attend_chunk(
     key0 = (sp.first_page + chunk * static.pages) * static.block_size
     k_pos = key0 + lax.broadcasted_iota(jnp.int32, (1, n), 1)  # [1, n]
     live = (k_pos >= sp.first_key) & (k_pos < sp.end_key)  # [1, n]: copied and read
-    token = block_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // static.groups
+    token = block_start + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), static.groups)
     q_pos = token + sp.pos_offset  # [M, 1]
     mask = (live & (token >= sp.q_lo) & (token < sp.q_hi) & (k_pos <= q_pos)
             & (q_pos - k_pos < window))  # [M, n]

@@ -312,3 +312,17 @@ def test_rejects_bad_arguments(name: str, fn) -> None:
 def test_kernel_rejects_bad_options(option: str) -> None:
     with pytest.raises(ValueError, match=option):
         ragged_paged_attention_tpu(**_call_args(BAD_CASE), **{option: 0}, interpret=True)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_lowers_through_mosaic(int8: bool) -> None:
+    """The kernel stays inside what Pallas' Mosaic lowering supports (no TPU needed;
+    Mosaic's own layout checks run only when a TPU compiles it)."""
+    case = make_case(MID_BLOCK, kv_heads=2, head_dim=128, block_size=32, dtype=jnp.bfloat16,
+                     int8=int8, seed=9)
+    attend_tpu = jax.jit(lambda q, k, v, metadata, scales, window: ragged_paged_attention_tpu(
+        q, k, v, jnp.int32(LAYER), *metadata, block_size=32, scale=case.scale, window=window,
+        softcap=30.0, query_block=16, pages_per_step=4, **scales))
+    lowered = attend_tpu.trace(case.q, case.k_pool, case.v_pool, case.metadata, case.scales(),
+                               jnp.int32(512)).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
