@@ -266,8 +266,7 @@ def _kernel(*refs, static: _Static, num_pools: int, precision: lax.Precision) ->
     """
     smem = _ScalarRefs(*refs[:NUM_SCALARS])
     q_ref, *rest = refs[NUM_SCALARS:]
-    hbm, (o_ref,), bufs = rest[:num_pools], rest[num_pools:num_pools + 1], rest[
-        num_pools + 1: 2 * num_pools + 1]
+    hbm, o_ref, bufs = rest[:num_pools], rest[num_pools], rest[num_pools + 1: 2 * num_pools + 1]
     sems, m_ref, l_ref, acc_ref = rest[2 * num_pools + 1:]
     kv_head, q_block = pl.program_id(0), pl.program_id(1)
     block_start = q_block * static.query_block
