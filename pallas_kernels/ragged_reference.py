@@ -1,0 +1,219 @@
+"""Ragged paged attention: the flat step layout's plain-jnp reference.
+
+One engine step holds every sequence's query tokens back to back in `q [T, H,
+hd]`: decodes (one token), prompt chunks (from position 0 or mid-block after a
+cached prefix) and, later, draft tokens to verify, all the same case. Sequence
+s owns the tokens q[query_start[s]:query_start[s + 1]]; the cache holds
+`context_lens[s]` tokens after this step (its cached prefix plus these
+queries), so its query j sits at position context_lens[s] - q_len[s] + j. It
+attends to keys p <= its position with position - p < window, read through
+its block-table row from the pool (block b owns rows [b*bs, (b+1)*bs), as in
+reference.py). Sequences s >= num_seqs are padding (query length 0); tokens at
+or past query_start[num_seqs] come out as zeros. Soft-cap, int8 pools with
+scales and GQA follow reference.py exactly; masked keys get weight exactly 0,
+so stale or NaN rows, and NaN scales, never leak, and a query with no key
+(only possible with window < 1) gets zeros.
+
+How the reference computes it. Query tokens are cut into tiles of
+QUERY_TILE tokens that never cross a sequence (a sequence of n tokens makes
+ceil(n / QUERY_TILE) tiles; the count is bounded statically by
+ceil(T / QUERY_TILE) + S). `lax.map` walks the tiles: a tile gathers its
+sequence's W blocks of K/V from the pool (only blocks that sequence's table
+names), runs masked softmax attention for its tokens and scatters them back.
+
+Cost per call: (ceil(T / QUERY_TILE) + S) tiles, each gathering W*bs rows of
+K and V ([W*bs, KV, hd]) and computing H*QUERY_TILE*W*bs scores, i.e. peak
+memory is one tile's context and scores, never a context per query token.
+Work is padded to whole tiles and whole block tables: a decode costs one
+tile, and windows do not shrink the gather (the kernels skip those blocks).
+
+Dynamic facts that cannot be checked under jit, and are the caller's promise:
+query_start is non-decreasing with query_start[num_seqs] <= T, num_seqs <= S,
+q_len[s] <= context_lens[s] <= W * block_size for live sequences, and table
+entries of live blocks are valid block ids.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.reference import check_kv_scales, gather_context
+
+QUERY_TILE = 32  # query tokens per reference tile
+
+
+def check_ragged_args(
+    q: jax.Array,  # [T, H, hd]
+    k_pool: jax.Array,  # [L, rows, KV, hd]
+    v_pool: jax.Array,  # [L, rows, KV, hd]
+    query_start: jax.Array,  # [S + 1]
+    context_lens: jax.Array,  # [S]
+    block_tables: jax.Array,  # [S, W]
+    num_seqs: jax.Array,  # [1]
+    *,
+    block_size: int,
+    window: jax.Array | int,
+    softcap: float | None,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+) -> bool:
+    """Static checks shared by the reference and the kernels; True for an int8 pool."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, H, hd], got shape {q.shape}")
+    _, h, hd = q.shape
+    if k_pool.ndim != 4 or v_pool.shape != k_pool.shape or k_pool.shape[3] != hd:
+        raise ValueError(f"k_pool {k_pool.shape} / v_pool {v_pool.shape} must both be "
+                         f"[L, rows, KV, hd] with hd = q's head dim ({hd})")
+    _, rows, kv_heads, _ = k_pool.shape
+    if h % kv_heads:
+        raise ValueError(f"q heads ({h}) must be a multiple of kv heads ({kv_heads})")
+    if block_size < 1 or rows % block_size:
+        raise ValueError(f"block_size ({block_size}) must be >= 1 and divide the pool "
+                         f"rows ({rows})")
+    _check_metadata(query_start, context_lens, block_tables, num_seqs)
+    if isinstance(window, int) and window < 1:
+        raise ValueError(f"window must be >= 1 (a global layer passes a large one), got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    return check_kv_scales(k_pool, v_pool, k_scale, v_scale)
+
+
+def _check_metadata(
+    query_start: jax.Array, context_lens: jax.Array, block_tables: jax.Array,
+    num_seqs: jax.Array,
+) -> None:
+    """Shapes and integer dtypes of the per-sequence arrays."""
+    if block_tables.ndim != 2 or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must be [S, W] with W >= 1, got {block_tables.shape}")
+    s = block_tables.shape[0]
+    expected = {"query_start": (s + 1,), "context_lens": (s,), "num_seqs": (1,)}
+    arrays = {"query_start": query_start, "context_lens": context_lens,
+              "num_seqs": num_seqs, "block_tables": block_tables}
+    for name, shape in expected.items():
+        if arrays[name].shape != shape:
+            raise ValueError(f"{name} must have shape {shape} for S = {s} sequences "
+                             f"(block_tables rows), got {arrays[name].shape}")
+    for name, array in arrays.items():
+        if not jnp.issubdtype(array.dtype, jnp.integer):
+            raise ValueError(f"{name} must hold integers (int32), got {array.dtype}")
+
+
+def live_query_lens(query_start: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """[S] query tokens of each sequence this step; 0 for padding sequences."""
+    lens = query_start[1:] - query_start[:-1]
+    return jnp.where(jnp.arange(lens.shape[0]) < num_seqs[0], lens, 0)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, H, hd]
+    k_pool: jax.Array,  # [L, rows, KV, hd], float or int8
+    v_pool: jax.Array,  # [L, rows, KV, hd]
+    layer: jax.Array,  # scalar int32: which layer's pool
+    query_start: jax.Array,  # [S + 1] int32, cumulative query offsets into q
+    context_lens: jax.Array,  # [S] int32, tokens in the cache after this step
+    block_tables: jax.Array,  # [S, W] int32
+    num_seqs: jax.Array,  # [1] int32, sequences in use
+    *,
+    block_size: int,
+    scale: float,
+    window: jax.Array | int,  # keys with q_pos - k_pos >= window are masked
+    softcap: float | None = None,
+    k_scale: jax.Array | None = None,  # [L, rows, KV] f32, int8 pools only
+    v_scale: jax.Array | None = None,  # [L, rows, KV] f32
+) -> jax.Array:
+    """Reference ragged paged attention -> [T, H, hd] in q's dtype (padding tokens 0)."""
+    quantized = check_ragged_args(
+        q, k_pool, v_pool, query_start, context_lens, block_tables, num_seqs,
+        block_size=block_size, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+    t, h, hd = q.shape
+    tile = min(QUERY_TILE, t)
+    query_start = query_start.astype(jnp.int32)
+    tile_seq, tile_start, tile_valid = query_tiles(query_start, num_seqs, t, tile)
+    q_padded = jnp.pad(q, ((0, tile), (0, 0), (0, 0)))  # a tile may start anywhere below T
+    scales = (k_scale, v_scale) if quantized else None
+
+    def attend(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        seq, start, valid = args
+        rows = start + jnp.arange(tile, dtype=jnp.int32)  # [tile] token index in q
+        row_ok = valid & (rows < query_start[seq + 1])
+        q_len = query_start[seq + 1] - query_start[seq]
+        q_pos = context_lens[seq] - q_len + rows - query_start[seq]  # [tile]
+        out = _attend_tile(
+            lax.dynamic_slice_in_dim(q_padded, start, tile), q_pos, row_ok, k_pool, v_pool,
+            layer, block_tables[seq], scales, block_size=block_size, scale=scale,
+            window=window, softcap=softcap)
+        return out, jnp.where(row_ok, rows, t)  # t: dropped by the scatter
+
+    outs, targets = lax.map(attend, (tile_seq, tile_start, tile_valid))  # [N, tile, H, hd]
+    out = jnp.zeros((t, h, hd), q.dtype)
+    return out.at[targets.reshape(-1)].set(outs.reshape(-1, h, hd), mode="drop")
+
+
+def query_tiles(
+    query_start: jax.Array, num_seqs: jax.Array, num_tokens: int, tile: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Cut each live sequence's tokens into tiles of `tile` -> seq, start, valid [N].
+
+    N = ceil(num_tokens / tile) + S bounds the real count; tiles past it are invalid.
+    """
+    num_seq_slots = query_start.shape[0] - 1
+    counts = -(-live_query_lens(query_start, num_seqs) // tile)  # [S] tiles per sequence
+    ends = jnp.cumsum(counts)  # [S] inclusive
+    index = jnp.arange(-(-num_tokens // tile) + num_seq_slots, dtype=jnp.int32)  # [N]
+    seq = jnp.searchsorted(ends, index, side="right").astype(jnp.int32)  # [N]
+    valid = seq < num_seq_slots
+    seq = jnp.minimum(seq, num_seq_slots - 1)
+    start = query_start[seq] + (index - (ends[seq] - counts[seq])) * tile
+    return seq, jnp.where(valid, start, 0), valid
+
+
+def _attend_tile(
+    q: jax.Array,  # [tile, H, hd]
+    q_pos: jax.Array,  # [tile] int32 query positions
+    row_ok: jax.Array,  # [tile] bool: the token belongs to the sequence
+    k_pool: jax.Array,  # [L, rows, KV, hd]
+    v_pool: jax.Array,  # [L, rows, KV, hd]
+    layer: jax.Array,
+    table: jax.Array,  # [W] the sequence's block-table row
+    scales: tuple[jax.Array, jax.Array] | None,  # int8: k_scale, v_scale [L, rows, KV]
+    *,
+    block_size: int,
+    scale: float,
+    window: jax.Array | int,
+    softcap: float | None,
+) -> jax.Array:
+    """Masked softmax attention of one tile over its sequence's blocks -> [tile, H, hd]."""
+    tile, h, hd = q.shape
+    kv_heads = k_pool.shape[2]
+    k, v = (gather_context(pool, layer, table[None], block_size)[0]
+            for pool in (k_pool, v_pool))  # [C, KV, hd]
+    qg = q.reshape(tile, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("tkgd,ckd->kgtc", qg, k.astype(q.dtype),
+                        preferred_element_type=jnp.float32)  # [KV, G, tile, C]
+    if scales is not None:
+        k_scale, v_scale = (gather_context(s, layer, table[None], block_size)[0]
+                            .astype(jnp.float32).T[:, None, None, :]
+                            for s in scales)  # [KV, 1, 1, C]
+        scores = scores * k_scale
+    scores = scores * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    k_pos = jnp.arange(k.shape[0], dtype=jnp.int32)[None, :]
+    mask = row_ok[:, None] & (k_pos <= q_pos[:, None]) & (q_pos[:, None] - k_pos < window)
+    probs = _masked_softmax(scores, mask)  # [KV, G, tile, C]
+    if scales is not None:
+        probs = jnp.where(mask, probs * v_scale, 0.0)
+    v = jnp.where(mask.any(axis=0)[:, None, None], v.astype(q.dtype), 0)  # unread rows -> 0
+    out = jnp.einsum("kgtc,ckd->tkgd", probs.astype(q.dtype), v)
+    return out.reshape(tile, h, hd)
+
+
+def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis where mask [tile, C] holds; masked -> exactly 0."""
+    row_max = jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # rows with no key
+    p = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    total = p.sum(axis=-1, keepdims=True)
+    return p / jnp.where(total > 0, total, 1.0)
