@@ -74,7 +74,7 @@ MASK_VALUE = -1e30  # finite floor: exp(MASK_VALUE - m) underflows to 0, never N
 TILE_FIELDS = ("seq", "q_lo", "q_hi", "pos_offset", "first_key", "end_key", "steps")
 
 
-class _Static(NamedTuple):
+class Tiling(NamedTuple):
     """Compile-time sizes and options of the kernel."""
 
     block_size: int
@@ -118,7 +118,7 @@ def ragged_paged_attention_gpu(
     if query_block is None:
         query_block = max(1, DEFAULT_TILE_ROWS // groups_padded)
     check_triton_tiles(hd, block_size, query_block, pages_per_step, interpret=interpret)
-    static = _Static(block_size, pages_per_step, query_block,
+    static = Tiling(block_size, pages_per_step, query_block,
                      max(groups_padded, -(-MIN_DOT // query_block)), block_tables.shape[1],
                      scale, softcap)
     query_start = query_start.astype(jnp.int32)
@@ -153,7 +153,7 @@ def tile_table(
     num_seqs: jax.Array,  # [1]
     window: jax.Array | int,
     num_tokens: int,
-    static: _Static,
+    static: Tiling,
 ) -> jax.Array:
     """[N, len(TILE_FIELDS)] int32: each query tile's sequence, tokens, offset, keys, steps."""
     seq, q_lo, valid = query_tiles(query_start, num_seqs, num_tokens, static.query_block)
@@ -169,7 +169,7 @@ def tile_table(
     return jnp.stack([jnp.asarray(f, jnp.int32) for f in fields], axis=1)
 
 
-def _pack_queries(q: jax.Array, kv_heads: int, static: _Static) -> jax.Array:
+def _pack_queries(q: jax.Array, kv_heads: int, static: Tiling) -> jax.Array:
     """[T, H, hd] -> [KV, (T + query_block) * Gp, hd]: group under its token, zero-padded.
 
     The extra query_block tokens let a tile starting at any token below T load
@@ -187,7 +187,7 @@ def _gather_outputs(
     query_start: jax.Array,  # [S + 1]
     num_seqs: jax.Array,  # [1]
     q_shape: tuple[int, int, int],  # T, H, hd
-    static: _Static,
+    static: Tiling,
 ) -> jax.Array:
     """Each token's row of its tile -> [T, H, hd]; padding tokens 0."""
     t, heads, hd = q_shape
@@ -221,7 +221,7 @@ def _call_kernel(
     scalars: tuple[jax.Array, jax.Array, jax.Array],  # [2] layer, window; tiles; tables [S, W]
     qg: jax.Array,  # [KV, T'*Gp, hd]
     pools: tuple[jax.Array, ...],  # k, v [L, rows, KV, hd]; int8: + k, v scales [L, rows, KV]
-    static: _Static,
+    static: Tiling,
     *,
     interpret: bool,
     num_warps: int,
@@ -270,7 +270,7 @@ def _kernel(
     k_ref,  # [L, rows, KV, hd], whole pool, float or int8
     v_ref,  # [L, rows, KV, hd]
     *refs,  # int8: k_scale_ref, v_scale_ref [L, rows, KV]; then out [M, hd]
-    static: _Static,
+    static: Tiling,
     precision: lax.Precision,
 ) -> None:
     """One (tile, KV head): online softmax over the tile's live pages."""
@@ -327,7 +327,7 @@ def _load_page(
     key0: jax.Array,  # position of the page's first key
     tile: _Tile,
     rows: _Rows,
-    static: _Static,
+    static: Tiling,
     precision: lax.Precision,
 ) -> _Page:
     """Read one page and score it against the tile's queries."""
