@@ -75,7 +75,7 @@ TILE_FIELDS = ("seq", "q_lo", "q_hi", "pos_offset", "first_key", "end_key", "ste
 
 
 class Tiling(NamedTuple):
-    """Compile-time sizes and options of the kernel."""
+    """Compile-time tile sizes and options of the kernel."""
 
     block_size: int
     pages: int  # pages per loop step
@@ -119,8 +119,8 @@ def ragged_paged_attention_gpu(
         query_block = max(1, DEFAULT_TILE_ROWS // groups_padded)
     check_triton_tiles(hd, block_size, query_block, pages_per_step, interpret=interpret)
     static = Tiling(block_size, pages_per_step, query_block,
-                     max(groups_padded, -(-MIN_DOT // query_block)), block_tables.shape[1],
-                     scale, softcap)
+                    max(groups_padded, -(-MIN_DOT // query_block)), block_tables.shape[1],
+                    scale, softcap)  # Gp raised until M = query_block * Gp >= MIN_DOT
     query_start = query_start.astype(jnp.int32)
     tiles = tile_table(query_start, context_lens.astype(jnp.int32), num_seqs, window, t, static)
     layer_window = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
