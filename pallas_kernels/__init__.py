@@ -8,6 +8,8 @@
   starts, context lengths and block tables).
 - `ragged_tpu.py`: the same contract as a TPU (Mosaic) kernel: scalar prefetch,
   async page DMAs into double-buffered VMEM; runs under the TPU interpreter on CPU.
+- `ragged_gpu.py`: the same contract as a GPU (Triton) kernel: sequence-bounded
+  query tiles walking their live pages; runs under the Pallas interpreter on CPU.
 
 The two GPU kernels share the reference's signature: plain arrays (query positions,
 block tables, context lengths; int8 pools add `k_scale` / `v_scale` keywords).

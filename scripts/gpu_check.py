@@ -1,21 +1,30 @@
-"""One short GPU check of the Pallas kernels, for a machine with an NVIDIA GPU.
+"""One short check of the Pallas kernels on the accelerator at hand (GPU or TPU).
 
     python scripts/gpu_check.py --out results.json
+    python scripts/gpu_check.py --interpret   # CPU smoke run: both kernels, interpreters
 
-1. Compiles the flash-prefill and paged-decode kernels for real (interpret=False)
-   and compares them with the jnp reference on random paged inputs (built by
-   tests/paged_inputs.py, as in the kernel tests).
-2. Times decode attention at batch 64, context 4,096 (Gemma 3 270M shapes and a
-   Llama-like GQA shape) against the XLA reference, and reports the achieved
+On an NVIDIA GPU:
+1. Compiles the ragged Triton kernel, the flash-prefill and the paged-decode
+   kernels for real (interpret=False) and compares them with their jnp
+   references (and the ragged one with a float64 oracle) on random inputs,
+   built by tests/ragged_inputs.py and tests/paged_inputs.py as in the tests.
+2. Times a decode-heavy and a prefill-heavy ragged batch, kernel against the
+   XLA reference.
+3. Times decode attention at batch 64, context 4,096 (Gemma 3 270M shapes and
+   a Llama-like GQA shape) against the XLA reference, and reports the achieved
    HBM bandwidth: K/V bytes read / time.
-3. Runs `LLM.generate` with dummy Gemma 3 270M weights under both
+4. Runs `LLM.generate` with dummy Gemma 3 270M weights under both
    attention implementations and reports decode tokens/s for each.
+On a TPU: steps 1 and 2 for the ragged Mosaic kernel.
+With --interpret (any machine): steps 1 and 2 for both ragged kernels under
+their interpreters, on batches a tenth the size; the timings then mean nothing.
 Everything is written to one JSON file (and printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -29,11 +38,28 @@ import numpy as np
 from jaxinfer.ops.types import NO_WINDOW
 from pallas_kernels.flash_prefill import flash_prefill_attention
 from pallas_kernels.paged_decode import paged_decode_attention
+from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import paged_attention_reference
 
-# The kernel tests' input builder: the GPU checks the same layouts the CPU tests do.
+# The kernel tests' input builders: the checks use the same layouts the CPU tests do.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged_inputs import LAYER, PagedInputs, make_paged_inputs
+from ragged_inputs import Case, dense_attention, make_case
+
+RAGGED_KERNELS = {"gpu": ragged_paged_attention_gpu, "tpu": ragged_paged_attention_tpu}
+RAGGED_CASES = [  # (sequences as (query length, context), builder options, window, softcap)
+    ([(1, 37), (300, 300), (1, 130), (1, 1)], {"head_dim": 128}, NO_WINDOW, None),
+    ([(20, 45), (5, 21), (1, 17), (16, 16)],
+     {"kv_heads": 2, "group": 8, "dtype": jnp.bfloat16}, 16, None),
+    ([(1, 700), (64, 200), (1, 33)], {"head_dim": 256, "int8": True}, 512, 30.0),
+    ([(1, 90), (40, 40)], {"kv_heads": 2, "group": 1, "dtype": jnp.bfloat16}, NO_WINDOW, None),
+]
+RAGGED_BATCHES = {  # (count, query length, context) groups of Gemma 3 270M-shaped sequences
+    "decode_heavy": [(64, 1, 2048), (1, 256, 2048)],
+    "prefill_heavy": [(4, 1024, 1024), (8, 1, 1024)],
+}
 
 
 def paged_inputs(batch: int, q_len: int, context: int, heads: int, kv_heads: int,
@@ -52,6 +78,49 @@ def timed(fn: Callable[[], jax.Array], repeats: int = 20) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def ragged_call(fn: Callable, case: Case, window: int,
+                softcap: float | None) -> Callable[[], jax.Array]:
+    """`fn` on the case, jitted once: call it to run it again."""
+    attend = jax.jit(lambda q, k, v, metadata, scales, w: fn(
+        q, k, v, jnp.int32(LAYER), *metadata, block_size=case.block_size, scale=case.scale,
+        window=w, softcap=softcap, **scales))
+    args = (case.q, case.k_pool, case.v_pool, case.metadata, case.scales(), jnp.int32(window))
+    return lambda: attend(*args)
+
+
+def check_ragged(kernel: Callable) -> list[dict]:
+    """The compiled ragged kernel against the XLA reference and the float64 oracle."""
+    results = []
+    for seqs, options, window, softcap in RAGGED_CASES:
+        case = make_case(seqs, **options)
+        oracle = dense_attention(case, window, softcap)
+        outputs = {name: np.asarray(ragged_call(fn, case, window, softcap)().astype(jnp.float32),
+                                    np.float64)
+                   for name, fn in (("kernel", kernel), ("xla", ragged_paged_attention_reference))}
+        errors = {f"{name}_vs_oracle": float(np.abs(out - oracle).max())
+                  for name, out in outputs.items()}
+        errors["kernel_vs_xla"] = float(np.abs(outputs["kernel"] - outputs["xla"]).max())
+        tol = 1e-4 if case.q.dtype == jnp.float32 else 3e-2
+        results.append({"seqs": seqs, "dtype": case.q.dtype.name,
+                        **{k: v for k, v in options.items() if k != "dtype"},
+                        "window": int(window), "softcap": softcap, **errors,
+                        "ok": max(errors.values()) < tol})
+    return results
+
+
+def time_ragged(kernel: Callable, groups: list[tuple[int, int, int]], shrink: int,
+                repeats: int) -> dict:
+    """One ragged batch (contexts and chunks divided by `shrink`): kernel vs XLA reference."""
+    seqs = [(max(1, n // shrink), max(1, c // shrink)) for count, n, c in groups
+            for _ in range(count)]
+    case = make_case(seqs, dtype=jnp.bfloat16, head_dim=256)  # Gemma 3 270M: 4 heads, 1 KV
+    result = {"sequences": len(seqs), "tokens": int(case.q.shape[0]),
+              "context_tokens": sum(c for _, c in seqs)}
+    for name, fn in (("pallas", kernel), ("xla", ragged_paged_attention_reference)):
+        result[f"{name}_ms"] = timed(ragged_call(fn, case, NO_WINDOW, None), repeats) * 1e3
+    return result
 
 
 def check_kernels() -> list[dict]:
@@ -112,15 +181,48 @@ def bench_dummy_model() -> dict:
     return result
 
 
+def ragged_steps(target: str, interpret: bool) -> list[tuple[str, Callable[[], object]]]:
+    """Check and time the ragged kernel for `target` ("gpu" or "tpu")."""
+    kernel = RAGGED_KERNELS[target]
+    if interpret:
+        kernel = functools.partial(kernel, interpret=True)
+    shrink, repeats = (10, 2) if interpret else (1, 20)
+    return [(f"ragged_{target}", lambda: check_ragged(kernel)),
+            *[(f"ragged_{target}_{name}",
+               lambda groups=groups: time_ragged(kernel, groups, shrink, repeats))
+              for name, groups in RAGGED_BATCHES.items()]]
+
+
+def plan(platform: str, interpret: bool) -> list[tuple[str, Callable[[], object]]]:
+    """The steps for this machine: see the module docstring."""
+    if interpret:
+        return ragged_steps("gpu", True) + ragged_steps("tpu", True)
+    if platform == "tpu":
+        return ragged_steps("tpu", False)
+    if platform == "gpu":
+        return [*ragged_steps("gpu", False),
+                ("kernels", check_kernels),
+                ("decode_gemma3", lambda: time_decode(4, 1, 256, jnp.bfloat16)),
+                ("decode_gqa8", lambda: time_decode(32, 8, 128, jnp.bfloat16)),
+                ("dummy_model", bench_dummy_model)]
+    return []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the ragged kernels under their CPU interpreters (smoke run)")
     args = parser.parse_args()
-    report = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__}
-    steps = (("kernels", check_kernels),
-             ("decode_gemma3", lambda: time_decode(4, 1, 256, jnp.bfloat16)),
-             ("decode_gqa8", lambda: time_decode(32, 8, 128, jnp.bfloat16)),
-             ("dummy_model", bench_dummy_model))
+    platform = jax.devices()[0].platform
+    report = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+              "interpret": args.interpret}
+    steps = plan(platform, args.interpret)
+    if not steps:
+        report["skipped"] = (f"no GPU or TPU here (platform {platform!r}): nothing compiles "
+                             "for real; --interpret runs a smoke check under the interpreters")
+        print(report["skipped"], flush=True)
+        args.out.write_text(json.dumps(report, indent=1))
     for name, step in steps:
         try:
             report[name] = step()
