@@ -143,10 +143,13 @@ class PendingStep:
 
     Its small output (sampled tokens, log-probs) starts copying to the host at
     once; `result()` waits for it: the step's single device -> host transfer.
+    `computed_tokens` is the padded batch's size (rows x length), the tokens the
+    device computes, padding included.
     """
 
-    def __init__(self, output: StepOutput) -> None:
+    def __init__(self, output: StepOutput, computed_tokens: int) -> None:
         self._output = output
+        self.computed_tokens = computed_tokens
         for leaf in jax.tree.leaves(output):
             leaf.copy_to_host_async()
 
@@ -299,7 +302,7 @@ class ModelRunner:
             num_top_logprobs=_bucket_logprobs(num_top), prompt_logprobs=want_prompt,
             is_prefill=is_prefill,
         )
-        return PendingStep(output)
+        return PendingStep(output, computed_tokens=batch.tokens.size)
 
     def _batch(
         self, queries: Sequence[SequenceQuery], b: int, t: int, is_prefill: bool,

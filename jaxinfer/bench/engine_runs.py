@@ -10,12 +10,14 @@ filling the prefix cache the timed run will read.
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Sequence
 
 from jaxinfer.bench.stats import RequestRecord
 from jaxinfer.bench.workloads import BenchRequest
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.llm import LLM
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
@@ -57,6 +59,7 @@ class EngineBench:
         self.model = model
         self.config = config
         self._llm: LLM | None = None
+        self.last_steps: dict[str, float] = {}
 
     def llm(self, max_num_seqs: int | None = None) -> LLM:
         seqs = max_num_seqs or self.config.max_num_seqs
@@ -69,4 +72,21 @@ class EngineBench:
 
     def generate(self, requests: Sequence[BenchRequest],
                  max_seqs: int) -> tuple[list[RequestRecord], float]:
-        return generate(self.llm(max_seqs), requests)
+        """Run the requests; `last_steps` then holds that run's step figures."""
+        llm = self.llm(max_seqs)
+        before = step_totals(llm.engine.stats)
+        result = generate(llm, requests)
+        after = step_totals(llm.engine.stats)
+        self.last_steps = step_figures(*(a - b for a, b in zip(after, before, strict=True)))
+        return result
+
+
+def step_totals(stats: EngineStats) -> tuple[int, int, int, int]:
+    return stats.steps, stats.device_calls, stats.step_tokens, stats.computed_tokens
+
+
+def step_figures(steps: int, calls: int, useful: int, computed: int) -> dict[str, float]:
+    """How a run used the device: jitted calls per engine step, and padding waste
+    (tokens computed, padding included, per token a sequence needed)."""
+    return {"steps": steps, "device_calls_per_step": calls / steps if steps else math.nan,
+            "padding_waste": computed / useful if useful else math.nan}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxinfer.args import engine_config_from_args, load_from_args
@@ -17,8 +17,14 @@ from jaxinfer.bench.engine_runs import EngineBench
 from jaxinfer.bench.latency import run_latency
 from jaxinfer.bench.offline import parse_int_list, run_offline
 from jaxinfer.bench.report import PEER
-from jaxinfer.bench.stats import median
-from jaxinfer.bench.workloads import TokenSource, Workload, make_workload, token_source
+from jaxinfer.bench.stats import RequestRecord, median
+from jaxinfer.bench.workloads import (
+    BenchRequest,
+    TokenSource,
+    Workload,
+    make_workload,
+    token_source,
+)
 from jaxinfer.weights import LoadedModel
 
 
@@ -149,8 +155,8 @@ def run_offline_mode(args: argparse.Namespace) -> dict[str, Any]:
         workload = workload_from_args(args, local_token_source(model), bench.llm().max_model_len)
         report["workload"] = workload_facts(workload)
         vocab = model.config.vocab_size
-        report["jaxinfer"] = {"runs": run_offline(bench.generate, workload, concurrencies,
-                                                  vocab, args.warmup),
+        report["jaxinfer"] = {"runs": _offline_with_steps(bench, workload, concurrencies,
+                                                          vocab, args.warmup),
                               "load_s": model.load_seconds}
         if peaks is not None:
             report["machine"] = peaks
@@ -160,6 +166,21 @@ def run_offline_mode(args: argparse.Namespace) -> dict[str, Any]:
             report[PEER] = {"runs": run_offline(peer.generate, workload, concurrencies, vocab,
                                                 args.warmup), "load_s": peer.load_seconds}
     return report
+
+
+def _offline_with_steps(bench: EngineBench, workload: Workload, concurrencies: list[int],
+                        vocab: int, warmup: bool) -> list[dict[str, Any]]:
+    """Offline runs, each with the step figures of its timed (last) generate call."""
+    steps: dict[int, dict[str, float]] = {}
+
+    def generate(requests: Sequence[BenchRequest],
+                 max_seqs: int) -> tuple[list[RequestRecord], float]:
+        result = bench.generate(requests, max_seqs)
+        steps[max_seqs] = bench.last_steps
+        return result
+
+    runs = run_offline(generate, workload, concurrencies, vocab, warmup)
+    return [run | steps[run["concurrency"]] for run in runs]
 
 
 def offline_roofline(bench: EngineBench, workload: Workload, runs: list[dict[str, Any]],

@@ -100,11 +100,16 @@ def latency_tables(side: dict[str, Any]) -> list[str]:
 
 
 def runs_table(runs: Sequence[dict[str, Any]]) -> str:
+    """One row per run; jaxinfer's runs add device calls per step and padding waste."""
     headers = ["concurrency", "req/s", "input tok/s", "output tok/s", "goodput req/s",
                "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "failed"]
     rows = [[r["concurrency"], r["requests_per_s"], r["input_tokens_per_s"],
              r["output_tokens_per_s"], r["goodput_requests_per_s"],
              *(_triple(r[m]) for m in ("ttft", "tpot", "itl")), r["failed"]] for r in runs]
+    if runs and all("padding_waste" in r for r in runs):
+        headers += ["calls/step", "computed/useful tokens"]
+        for row, run in zip(rows, runs, strict=True):
+            row += [run["device_calls_per_step"], run["padding_waste"]]
     return format_table(headers, rows)
 
 

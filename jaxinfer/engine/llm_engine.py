@@ -149,9 +149,11 @@ class LLMEngine:
             deltas += self._accept_prefills(group, step.result())
         if decoding is not None:
             deltas += self._accept_decodes(plan.decodes, decoding.result())
+        calls = [step for _, step in pending] + ([decoding] if decoding is not None else [])
         self.stats.record_step(
             num_tokens=plan.num_tokens, num_preempted=len(plan.preempted),
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - start, device_calls=len(calls),
+            computed_tokens=sum(call.computed_tokens for call in calls),
         )
         return deltas
 

@@ -24,19 +24,29 @@ TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 @dataclass
 class EngineStats:
-    """Totals since start: steps, tokens, preemptions, finished requests by reason."""
+    """Totals since start: steps, tokens, preemptions, finished requests by reason.
+
+    `step_tokens` counts the tokens steps ran for sequences (prompt chunks and
+    decodes); `computed_tokens` the tokens the device computed, padding to the
+    step shapes included; `device_calls` the jitted calls the steps made.
+    """
 
     steps: int = 0
     step_tokens: int = 0
+    computed_tokens: int = 0
+    device_calls: int = 0
     step_seconds: float = 0.0
     max_step_seconds: float = 0.0
     preemptions: int = 0
     finished: Counter = field(default_factory=Counter)
     listeners: list[Callable[[RequestOutput], None]] = field(default_factory=list)
 
-    def record_step(self, num_tokens: int, num_preempted: int, seconds: float) -> None:
+    def record_step(self, num_tokens: int, num_preempted: int, seconds: float,
+                    device_calls: int, computed_tokens: int) -> None:
         self.steps += 1
         self.step_tokens += num_tokens
+        self.device_calls += device_calls
+        self.computed_tokens += computed_tokens
         self.step_seconds += seconds
         self.max_step_seconds = max(self.max_step_seconds, seconds)
         self.preemptions += num_preempted
