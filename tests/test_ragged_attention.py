@@ -217,6 +217,11 @@ def test_gqa_and_head_dims(group: int, kv_heads: int, head_dim: int, dtype) -> N
     assert_matches(case, NO_WINDOW)
 
 
+def test_every_sequence_slot_live() -> None:
+    """num_seqs == S: the kernel's walk ends on the last slot without reading past it."""
+    assert_matches(make_case(MID_BLOCK, pad_seqs=0, seed=9), NO_WINDOW)
+
+
 def test_softcap() -> None:
     case = make_case(WINDOWED, seed=4)
     assert np.abs(dense_attention(case, NO_WINDOW, 2.0)
