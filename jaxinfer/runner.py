@@ -190,6 +190,8 @@ class ModelRunner:
         """`cache`: the view of an EngineConfig resolved for this model (`resolve`)."""
         self.config = config
         self.cache = cache
+        # First, so a platform without the chosen kernels fails before any allocation.
+        self._step = _jitted_step(config, cache.block_size, cache.attention_impl)
         self.params = jax.tree.map(jnp.asarray, params)
         self.dtype = compute_dtype(self.params)
         self.bytes_per_token = kv_bytes_per_token(config, self.dtype, cache.kv_cache_dtype)
@@ -202,7 +204,6 @@ class ModelRunner:
             output_counts=jnp.zeros((slots, config.vocab_size), jnp.int32),
         )
         self._record = _jitted_record()
-        self._step = _jitted_step(config, cache.block_size, cache.attention_impl)
 
     @property
     def kv_bytes(self) -> int:

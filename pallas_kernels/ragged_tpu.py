@@ -296,8 +296,10 @@ def _kernel(*refs, static: _Static, num_pools: int, precision: lax.Precision) ->
 
     def skip_empty(seq: jax.Array) -> jax.Array:
         """The first sequence from `seq` on with something to read (or end_seq)."""
-        return lax.while_loop(lambda s: (s < end_seq) & (span(s).num_chunks == 0),
-                              lambda s: s + 1, seq)
+        last = smem.context_lens.shape[0] - 1  # `&` evaluates both sides: when s reaches
+        return lax.while_loop(  # end_seq = S, span must still read inside the SMEM arrays
+            lambda s: (s < end_seq) & (span(jnp.minimum(s, last)).num_chunks == 0),
+            lambda s: s + 1, seq)
 
     def body(state: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         seq, chunk, slot = state

@@ -103,6 +103,11 @@ def test_gqa_and_head_dims(kernel, group: int, kv_heads: int, head_dim: int, dty
     assert_matches(kernel, case, NO_WINDOW)
 
 
+def test_every_sequence_slot_live(kernel) -> None:
+    """num_seqs == S: the kernel's walk ends on the last slot without reading past it."""
+    assert_matches(kernel, make_case(MID_BLOCK, pad_seqs=0, seed=9), NO_WINDOW)
+
+
 def test_softcap(kernel) -> None:
     case = make_case(WINDOWED, seed=4)
     assert np.abs(dense_attention(case, NO_WINDOW, 2.0)
