@@ -8,12 +8,15 @@ way (their own fixture, or the CLI's default model) mark themselves.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -28,6 +31,22 @@ REAL_MODEL_FIXTURES = frozenset({"gemma", "gemma_llm"})
 # Tests compile afresh and write nothing under ~/.cache: the commands they run keep
 # the compilation cache off unless a test (or the caller's environment) asks for it.
 os.environ.setdefault("JAXINFER_COMPILATION_CACHE", "off")
+
+
+# Every program XLA compiles for the CPU holds memory maps of its code, and the Pallas
+# and TPU interpreters compile thousands of small programs. Past Linux's default limit
+# of 65,530 maps a process, XLA crashes in the next compilation, so a module that
+# leaves many maps behind drops JAX's caches (later modules recompile what they use).
+MAX_MEMORY_MAPS = 20_000
+MAPS_FILE = Path("/proc/self/maps")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs() -> Iterator[None]:
+    yield
+    if MAPS_FILE.exists() and len(MAPS_FILE.read_text().splitlines()) > MAX_MEMORY_MAPS:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
