@@ -167,8 +167,8 @@ def _padded_positions(positions: jax.Array, q_len: jax.Array, tiling: _Tiling) -
     """[B, nt * q_tile] positions of real slots, -1 for padding slots."""
     t = positions.shape[1]
     pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, tiling.padded_len - t)))
-    slot = jnp.arange(tiling.padded_len, dtype=jnp.int32)
-    return jnp.where(slot[None, :] < q_len[:, None], pos, -1)
+    index = jnp.arange(tiling.padded_len, dtype=jnp.int32)
+    return jnp.where(index[None, :] < q_len[:, None], pos, -1)
 
 
 def _kv_block_bounds(

@@ -276,7 +276,7 @@ def _kernel(*refs, static: _Static, num_pools: int, precision: lax.Precision) ->
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def copy_chunk(seq: jax.Array, chunk: jax.Array, slot: jax.Array, start: bool) -> None:
+    def copy_chunk(seq: jax.Array, chunk: jax.Array, half: jax.Array, start: bool) -> None:
         """Start (or wait for) the HBM -> VMEM copies of one chunk's live pages."""
         sp, layer = span(seq), smem.layer_window[0]
         for j in range(static.pages):
@@ -288,7 +288,7 @@ def _kernel(*refs, static: _Static, num_pools: int, precision: lax.Precision) ->
                 rows = pl.ds(pl.multiple_of(row0, static.block_size), static.block_size)
                 for i, (src, buf) in enumerate(zip(hbm, bufs, strict=True)):
                     src_page = src.at[layer, rows, kv_head] if i < 2 else src.at[layer, rows]
-                    copy = pltpu.make_async_copy(src_page, buf.at[slot, j], sems.at[slot, i])
+                    copy = pltpu.make_async_copy(src_page, buf.at[half, j], sems.at[half, i])
                     if start:
                         copy.start()
                     else:
@@ -302,20 +302,20 @@ def _kernel(*refs, static: _Static, num_pools: int, precision: lax.Precision) ->
             lambda s: s + 1, seq)
 
     def body(state: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        seq, chunk, slot = state
+        seq, chunk, half = state
         more = chunk + 1 < span(seq).num_chunks
         next_seq = jnp.where(more, seq, skip_empty(seq + 1))
         next_chunk = jnp.where(more, chunk + 1, 0)
 
         @pl.when(next_seq < end_seq)  # prefetch into the other buffer
         def _():
-            copy_chunk(next_seq, next_chunk, 1 - slot, start=True)
+            copy_chunk(next_seq, next_chunk, 1 - half, start=True)
 
-        copy_chunk(seq, chunk, slot, start=False)
-        _attend_chunk(q_ref, [buf.at[slot] for buf in bufs], (m_ref, l_ref, acc_ref),
+        copy_chunk(seq, chunk, half, start=False)
+        _attend_chunk(q_ref, [buf.at[half] for buf in bufs], (m_ref, l_ref, acc_ref),
                       span(seq), chunk, kv_head, block_start, smem.layer_window[1],
                       static=static, precision=precision)
-        return next_seq, next_chunk, 1 - slot
+        return next_seq, next_chunk, 1 - half
 
     first = skip_empty(smem.first_seq[q_block])
 
@@ -331,7 +331,7 @@ def _kernel(*refs, static: _Static, num_pools: int, precision: lax.Precision) ->
 
 def _attend_chunk(
     q_ref,  # [M, hd]
-    bufs: list,  # this slot's VMEM pages: k, v [pages, bs, hd]; int8: + k, v scales [pages, bs, KV]
+    bufs: list,  # one half of the double buffer: k, v [pages, bs, hd] (int8: + scales)
     state: tuple,  # m, l [M, 1] and acc [M, hd] f32 scratch refs
     sp: _Span,
     chunk: jax.Array,

@@ -1,6 +1,7 @@
 """The persistent compilation cache: where it lives, and a second process reading it.
 
-The end-to-end test runs `jaxinfer generate` on the tiny Llama twice, each in
+The end-to-end test runs `jaxinfer generate` on the tiny Llama (with the shared
+test tokenizer) twice, each in
 a fresh process, and reads JAX's own cache log (`JAX_LOG_COMPILES=1` logs
 every persistent-cache hit): the first run writes entries and hits none, the
 second hits the step program and writes nothing new. No timings.
@@ -9,18 +10,12 @@ second hits the step program and writes nothing new. No timings.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
-
 from jaxinfer import compilation_cache
 
-TINY = Path(__file__).parent / "data" / "tiny" / "llama"
 ROOT = Path(__file__).resolve().parent.parent
 HIT = "Persistent compilation cache hit for"
 
@@ -40,20 +35,6 @@ def test_the_folder_follows_flag_then_environment_then_default(monkeypatch, tmp_
     assert compilation_cache.enable() is None
 
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tmp_path_factory) -> Path:
-    """The tiny Llama (vocabulary 256) with a byte-level tokenizer: one id per byte."""
-    folder = tmp_path_factory.mktemp("tiny") / "llama"
-    shutil.copytree(TINY, folder)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)},
-                                          merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
-
-
 def generate(model: Path, *flags: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     run = subprocess.run(
         [sys.executable, "-m", "jaxinfer.cli", "generate", "The capital of France is",
@@ -64,20 +45,22 @@ def generate(model: Path, *flags: str, env: dict[str, str]) -> subprocess.Comple
     return run
 
 
-def test_a_second_process_reads_the_steps_from_the_cache(tiny_with_tokenizer, tmp_path) -> None:
+def test_a_second_process_reads_the_steps_from_the_cache(
+    tiny_llama_with_tokenizer: Path, tmp_path: Path
+) -> None:
     folder = tmp_path / "xla"
-    first = generate(tiny_with_tokenizer, "--compilation-cache-dir", str(folder),
+    first = generate(tiny_llama_with_tokenizer, "--compilation-cache-dir", str(folder),
                      env={compilation_cache.ENV_VAR: "off"})  # the flag wins
     entries = sorted(p.name for p in folder.iterdir())
     assert entries and HIT not in first.stderr
     assert any(name.startswith("jit__step") for name in entries)
-    second = generate(tiny_with_tokenizer, env={compilation_cache.ENV_VAR: str(folder)})
+    second = generate(tiny_llama_with_tokenizer, env={compilation_cache.ENV_VAR: str(folder)})
     assert f"{HIT} 'jit__step'" in second.stderr
     assert sorted(p.name for p in folder.iterdir()) == entries  # nothing compiled anew
     assert second.stdout == first.stdout
 
 
-def test_off_leaves_the_cache_alone(tiny_with_tokenizer, tmp_path) -> None:
-    run = generate(tiny_with_tokenizer, "--compilation-cache-dir", "off",
+def test_off_leaves_the_cache_alone(tiny_llama_with_tokenizer, tmp_path) -> None:
+    run = generate(tiny_llama_with_tokenizer, "--compilation-cache-dir", "off",
                    env={"XDG_CACHE_HOME": str(tmp_path)})
     assert HIT not in run.stderr and not (tmp_path / "jaxinfer").exists()

@@ -171,7 +171,7 @@ def write_kv(
 ) -> jax.Array:
     """Scatter new [B, T, KV, ...] into pool [L, rows, KV, ...] at `layer`.
 
-    Padding tokens carry out-of-range slots and are dropped.
+    Padding tokens carry out-of-range KV rows and are dropped.
     """
     rows = kv_rows.reshape(-1)
     values = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
