@@ -1,20 +1,28 @@
-"""The model runner: device state and the jit-compiled step functions.
+"""The model runner: device state and the jit-compiled step function.
 
 The runner owns the params, the KV pool and the per-sequence penalty state
-(prompt-token masks and output-token counts), all on device. Each sequence
-lives in a *slot*; the runner turns host-side requests (token ids, positions,
-sampling settings) into padded arrays of a few bucketed shapes and calls:
+(prompt-token masks and output-token counts), all on device. Each engine step
+is one device call over a flat, ragged batch:
 
-    prefill(params, kv, penalties, batch, sampling) -> (StepOutput, kv, penalties)
-    decode(params, kv, penalties, batch, sampling)  -> (StepOutput, kv, penalties)
+    step(params, kv, penalties, batch, sampling) -> (StepOutput, kv, penalties)
 
-Both sample on device and return the sampled tokens and their log-probs in one
-small pytree, fetched to the host in a single transfer. The KV pool and the
-penalty state are donated, so they are updated in place.
+`batch.tokens [T]` holds every scheduled sequence's query tokens back to back
+(a decode's last sampled token, a prompt chunk, ...), with per-sequence query
+starts, context lengths and block tables (`AttentionMetadata`), padded only at
+the end. The step samples one token per sequence from its last query position
+and returns the sampled tokens and their log-probs (and, when asked, prompt
+log-probs at every position) in one small pytree, fetched to the host in a
+single transfer. The KV pool and the penalty state are donated, so they are
+updated in place.
 
-Dispatch is asynchronous: `prefill` and `decode` return a `PendingStep` at
-once, so the engine prepares and dispatches a step's next call while the
-device runs the previous one, and reads the results afterwards.
+Shapes are bucketed so that a few compilations serve every mix: S sequences
+(a power of two), T tokens (S when every query is one token, as in a step of
+decodes only; else a power of two of at least MIN_TOKEN_BUCKET) and W
+block-table entries (a power of two of the longest context's blocks). Sampling
+settings are arrays, never static, so no request recompiles.
+
+Dispatch is asynchronous: `step` returns a `PendingStep` at once, so the engine
+can prepare the next call while the device runs, and reads the results later.
 
 KV layout: one pool per layer of `num_blocks` blocks of `block_size` tokens,
 sized from a memory budget; `kv_cache_dtype="int8"` stores int8 K/V plus one
@@ -65,7 +73,7 @@ from jaxinfer.sampling import (
     update_output_counts,
 )
 
-MIN_PREFILL_BUCKET = 16
+MIN_TOKEN_BUCKET = 16  # T of a step holding a query longer than one token
 MIN_CONTEXT_BLOCKS = 8
 PROMPT_LOGPROB_CHUNK = 128
 
@@ -109,33 +117,39 @@ class PenaltyState:
 
 @struct.dataclass
 class StepBatch:
-    """One step's padded inputs (prefill: T = bucket length; decode: T = 1)."""
+    """One step's flat inputs: T tokens of S sequences, padded at the end."""
 
-    tokens: jax.Array  # [B, T] int32
+    tokens: jax.Array  # [T] int32, every sequence's query tokens back to back
     meta: AttentionMetadata
-    last_index: jax.Array  # [B] int32, index in T of each row's last real token
-    slots: jax.Array  # [B] int32, penalty-state row (scratch row for padding)
-    valid: jax.Array  # [B, T] bool, real (non-padding) tokens
-    fresh: jax.Array  # [B] bool, the row starts its sequence (position 0)
-    is_output: jax.Array  # [B, T] bool, token is an earlier output (resumed sequence)
-    emit: jax.Array  # [B] bool, the sampled token will be used
-    targets: jax.Array  # [B, T] int32, next token at each position (prompt log-probs)
+    targets: jax.Array  # [T] int32, next token at each position (prompt log-probs)
+    token_seq: jax.Array  # [T] int32, the sequence of each token (0 for padding)
+    record: jax.Array  # [T] bool, the token enters its sequence's penalty statistics
+    is_output: jax.Array  # [T] bool, token is an earlier output (resumed sequence)
+    last_index: jax.Array  # [S] int32, index in tokens of each sequence's last query token
+    slots: jax.Array  # [S] int32, penalty-state row (scratch row for padding)
+    fresh: jax.Array  # [S] bool, the step starts the sequence's penalty statistics
+    emit: jax.Array  # [S] bool, the sampled token will be used
 
 
 class StepOutput(struct.PyTreeNode):
     sample: SampleOutput
-    prompt_logprobs: jax.Array  # [B, T] f32 log p(token t+1 | ..t); [B, 0] when not asked
+    prompt_logprobs: jax.Array  # [T] f32 log p(token t+1 | ..t); [0] when not asked
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """A step's output on the host, one row per batch row (padding rows included)."""
+    """A step's output on the host, one row per sequence (padding rows included)."""
 
-    tokens: np.ndarray  # [B] int32 sampled token ids
-    logprobs: np.ndarray  # [B] f32 log-prob of each sampled token (raw distribution)
-    top_ids: np.ndarray  # [B, K] int32 most likely ids, K = the bucketed top count (0, 5, 20)
-    top_logprobs: np.ndarray  # [B, K] f32
-    prompt_logprobs: np.ndarray  # [B, T] f32 log p(token t+1 | ..t); [B, 0] when not asked
+    tokens: np.ndarray  # [S] int32 sampled token ids
+    logprobs: np.ndarray  # [S] f32 log-prob of each sampled token (raw distribution)
+    top_ids: np.ndarray  # [S, K] int32 most likely ids, K = the bucketed top count (0, 5, 20)
+    top_logprobs: np.ndarray  # [S, K] f32
+    prompt_logprobs: np.ndarray  # [T] f32 log p(token t+1 | ..t); [0] when not asked
+    query_start: np.ndarray  # [S + 1] int32, where each sequence's tokens start
+
+    def prompt_scores(self, row: int) -> np.ndarray:
+        """log p(next token) at each query position of sequence `row` (prompt log-probs)."""
+        return self.prompt_logprobs[self.query_start[row]: self.query_start[row + 1]]
 
 
 class PendingStep:
@@ -143,12 +157,13 @@ class PendingStep:
 
     Its small output (sampled tokens, log-probs) starts copying to the host at
     once; `result()` waits for it: the step's single device -> host transfer.
-    `computed_tokens` is the padded batch's size (rows x length), the tokens the
-    device computes, padding included.
+    `computed_tokens` is the padded token count T, the tokens the device
+    computes, padding included.
     """
 
-    def __init__(self, output: StepOutput, computed_tokens: int) -> None:
+    def __init__(self, output: StepOutput, query_start: np.ndarray, computed_tokens: int) -> None:
         self._output = output
+        self._query_start = query_start
         self.computed_tokens = computed_tokens
         for leaf in jax.tree.leaves(output):
             leaf.copy_to_host_async()
@@ -158,7 +173,7 @@ class PendingStep:
         return StepResult(
             tokens=host.sample.tokens, logprobs=host.sample.logprobs,
             top_ids=host.sample.top_ids, top_logprobs=host.sample.top_logprobs,
-            prompt_logprobs=host.prompt_logprobs,
+            prompt_logprobs=host.prompt_logprobs, query_start=self._query_start,
         )
 
 
@@ -177,6 +192,17 @@ class SequenceQuery:
     prompt_len: int  # positions below it are prompt tokens, the rest earlier outputs
     emit: bool = True  # the sampled token is used (False for a non-final prompt chunk)
     targets: Sequence[int] = ()  # next-token ids per position, for prompt log-probs
+    record: bool = False  # add the tokens to the penalty statistics (prompt chunks)
+    fresh: bool = False  # start the statistics anew first (the first chunk from position 0)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A step's bucketed sizes: the compiled program it runs."""
+
+    tokens: int  # T
+    seqs: int  # S
+    width: int  # W, block-table entries per sequence
 
 
 def next_power_of_two(n: int, minimum: int) -> int:
@@ -184,7 +210,7 @@ def next_power_of_two(n: int, minimum: int) -> int:
 
 
 class ModelRunner:
-    """Holds device state and runs bucketed, jit-compiled prefill and decode steps."""
+    """Holds device state and runs the bucketed, jit-compiled flat step."""
 
     def __init__(self, config: ModelConfig, params: Params, cache: CacheConfig) -> None:
         """`cache`: the view of an EngineConfig resolved for this model (`resolve`)."""
@@ -214,136 +240,125 @@ class ModelRunner:
         """Distinct compiled variants of the step function so far."""
         return self._step._cache_size()
 
-    def prefill(self, queries: Sequence[SequenceQuery]) -> PendingStep:
-        """Run prompt chunks, one sequence per batch row; sample where a query `emit`s.
+    def step(self, queries: Sequence[SequenceQuery]) -> PendingStep:
+        """Run every query of an engine step in one device call; sample one token per
+        query from its last position (used where the query `emit`s).
 
-        A chunk may start after a prefix whose K/V are already in its blocks (an
-        earlier chunk, or a prefix-cache hit). Rows share one call, padded to
-        the longest chunk; attention reads a power-of-two bucket of the longest
-        context (like decode), so shapes are (rows, chunk, context) buckets.
+        A query may start after a prefix whose K/V are already in its blocks (an
+        earlier chunk, or a prefix-cache hit).
         """
-        bucket = self.prefill_bucket(max(len(q.token_ids) for q in queries))
-        return self._dispatch(queries, bucket, is_prefill=True)
-
-    def prefill_bucket(self, length: int) -> int:
-        """The padded length of a call whose longest chunk has `length` tokens."""
-        return min(next_power_of_two(length, MIN_PREFILL_BUCKET), self._max_tokens_bucket())
-
-    def record_history(self, slot: int, token_ids: Sequence[int], prompt_len: int) -> None:
-        """Start `slot`'s penalty statistics from tokens whose K/V are already cached
-        (a prefix-cache hit): the prefill that follows starts after them."""
-        size = next_power_of_two(len(token_ids), MIN_PREFILL_BUCKET)
-        tokens = np.full((size,), self.config.vocab_size, np.int32)  # padding: dropped
-        tokens[: len(token_ids)] = token_ids
-        is_output = np.arange(size) >= prompt_len
-        self.penalties = self._record(self.penalties, np.int32(slot), tokens, is_output)
-
-    def decode(self, queries: Sequence[SequenceQuery]) -> PendingStep:
-        """One new token for each sequence (its token_ids is the last sampled token)."""
-        return self._dispatch(queries, 1, is_prefill=False)
-
-    def _max_tokens_bucket(self) -> int:
-        return self.cache.max_blocks_per_seq * self.cache.block_size
-
-    def warmup(self, max_batched_tokens: int) -> None:
-        """Compile every (rows, length, context) bucket a scheduler within
-        `max_batched_tokens` can produce, with plain sampling (no log-probs)."""
-        for rows, length in self.prefill_shapes(max_batched_tokens):
-            for width in self.prefill_widths(length):
-                self._warm(rows, length, width, is_prefill=True)
-        for rows in _powers_of_two(next_power_of_two(self.cache.max_num_seqs, 1)):
-            for width in self.decode_widths():
-                self._warm(rows, 1, width, is_prefill=False)
-
-    def prefill_shapes(self, max_batched_tokens: int) -> list[tuple[int, int]]:
-        """(rows, length) buckets: a group of length-bucket T holds chunks longer than T/2."""
-        cap = self._max_tokens_bucket()
-        longest = min(max_batched_tokens, cap)
-        lengths = sorted({min(p, cap) for p in _powers_of_two(
-            next_power_of_two(longest, MIN_PREFILL_BUCKET), MIN_PREFILL_BUCKET)})
-        shapes = []
-        for length in lengths:
-            shortest = 1 if length == MIN_PREFILL_BUCKET else next_power_of_two(
-                length, 1) // 2 + 1
-            most = min(self.cache.max_num_seqs, max(1, max_batched_tokens // shortest))
-            shapes += [(rows, length) for rows in _powers_of_two(next_power_of_two(most, 1))]
-        return shapes
-
-    def prefill_widths(self, length: int) -> list[int]:
-        """Block-table widths of a `length`-token chunk: its context is at least as long."""
-        least = self.context_width(length)
-        return [w for w in self.decode_widths() if w >= least]
-
-    def decode_widths(self) -> list[int]:
-        cap = self.cache.max_blocks_per_seq
-        widths = [w for w in _powers_of_two(cap, MIN_CONTEXT_BLOCKS) if w < cap]
-        return [*widths, cap]
-
-    def _warm(self, rows: int, length: int, width: int, *, is_prefill: bool) -> None:
-        """Compile one shape with an all-padding call, plain sampling."""
-        batch = self._batch([], rows, length, is_prefill, width=width)
-        sampling = make_sampling_arrays([], [], [], rows)
-        _, self.kv, self.penalties = self._step(
-            self.params, self.kv, self.penalties, batch, sampling,
-            num_top_logprobs=0, prompt_logprobs=False, is_prefill=is_prefill,
-        )
-
-    def _dispatch(
-        self, queries: Sequence[SequenceQuery], length: int, *, is_prefill: bool
-    ) -> PendingStep:
-        batch = self._batch(queries, next_power_of_two(len(queries), 1), length, is_prefill)
+        if not queries:
+            raise ValueError("a step needs at least one query")
+        lengths = [len(q.token_ids) for q in queries]
+        shape = self.step_shape(lengths, max(q.start + n for q, n in zip(queries, lengths,
+                                                                         strict=True)))
+        batch, query_start = self._batch(queries, shape)
         params = [q.params for q in queries]
         sampling = make_sampling_arrays(params, [q.seed for q in queries],
-                                        [q.step for q in queries],
-                                        batch.tokens.shape[0])
+                                        [q.step for q in queries], shape.seqs)
         num_top = max((p.logprobs or 0) for p in params)
-        want_prompt = is_prefill and any(p.prompt_logprobs is not None for p in params)
+        want_prompt = any(p.prompt_logprobs is not None for p in params)
         output, self.kv, self.penalties = self._step(
             self.params, self.kv, self.penalties, batch, sampling,
             num_top_logprobs=_bucket_logprobs(num_top), prompt_logprobs=want_prompt,
-            is_prefill=is_prefill,
         )
-        return PendingStep(output, computed_tokens=batch.tokens.size)
+        return PendingStep(output, query_start, computed_tokens=shape.tokens)
 
-    def _batch(
-        self, queries: Sequence[SequenceQuery], b: int, t: int, is_prefill: bool,
-        width: int | None = None,
-    ) -> StepBatch:
-        """Pad rows to [b, t]; padding rows point at the scratch slot and drop their K/V."""
-        bs = self.cache.block_size
-        arrays = {
-            "tokens": np.zeros((b, t), np.int32),
-            "targets": np.zeros((b, t), np.int32),
-            "positions": np.zeros((b, t), np.int32),
-            "kv_rows": np.full((b, t), self.kv.num_rows, np.int32),  # out of range
-            "valid": np.zeros((b, t), np.bool_),
-            "is_output": np.zeros((b, t), np.bool_),
-            "context": np.zeros((b,), np.int32),
-            "slots": np.full((b,), self.cache.max_num_seqs, np.int32),  # scratch row
-            "last_index": np.zeros((b,), np.int32),
-            "fresh": np.zeros((b,), np.bool_),
-            "emit": np.zeros((b,), np.bool_),
-        }
-        for i, query in enumerate(queries):
-            _fill_row(arrays, i, query, bs)
-        if width is None:  # attention reads only a bucket of the longest context
-            width = self.context_width(int(arrays["context"].max()))
-        tables = np.zeros((b, width), np.int32)  # padding entries read block 0, masked
-        for i, query in enumerate(queries):
-            used = min(len(query.block_table), width)
-            tables[i, :used] = query.block_table[:used]
-        meta = AttentionMetadata(arrays["positions"], arrays["kv_rows"], tables,
-                                 arrays["context"])
-        return StepBatch(
-            tokens=arrays["tokens"], meta=meta, last_index=arrays["last_index"],
-            slots=arrays["slots"], valid=arrays["valid"], fresh=arrays["fresh"],
-            is_output=arrays["is_output"], emit=arrays["emit"], targets=arrays["targets"],
-        )
+    def step_shape(self, query_lens: Sequence[int], max_context: int) -> StepShape:
+        """The bucketed shape of a step of sequences with `query_lens` query tokens."""
+        seqs = next_power_of_two(len(query_lens), 1)
+        total = sum(query_lens)
+        tokens = seqs if total == len(query_lens) else next_power_of_two(total, MIN_TOKEN_BUCKET)
+        return StepShape(tokens, seqs, self.context_width(max_context))
 
     def context_width(self, max_context: int) -> int:
         """Block-table width: a power-of-two bucket of the longest context."""
         needed = math.ceil(max_context / self.cache.block_size)
         return min(next_power_of_two(needed, MIN_CONTEXT_BLOCKS), self.cache.max_blocks_per_seq)
+
+    def record_history(self, slot: int, token_ids: Sequence[int], prompt_len: int) -> None:
+        """Start `slot`'s penalty statistics from tokens whose K/V are already cached
+        (a prefix-cache hit): the step that follows starts after them."""
+        size = next_power_of_two(len(token_ids), MIN_TOKEN_BUCKET)
+        tokens = np.full((size,), self.config.vocab_size, np.int32)  # padding: dropped
+        tokens[: len(token_ids)] = token_ids
+        is_output = np.arange(size) >= prompt_len
+        self.penalties = self._record(self.penalties, np.int32(slot), tokens, is_output)
+
+    def warmup(self, max_batched_tokens: int) -> None:
+        """Compile every step shape a scheduler within `max_batched_tokens` tokens can
+        produce, with plain sampling (no log-probs)."""
+        for shape in self.step_shapes(max_batched_tokens):
+            self._warm(shape)
+
+    def step_shapes(self, max_batched_tokens: int) -> list[StepShape]:
+        """Every (T, S, W) bucket: steps of one-token queries (T = S), then the others.
+
+        A step of T > MIN_TOKEN_BUCKET tokens holds more than T / 2 real ones, so
+        with S sequences its longest query (and context) has at least that / S.
+        """
+        seq_buckets = _powers_of_two(next_power_of_two(self.cache.max_num_seqs, 1))
+        shapes = [StepShape(s, s, w) for s in seq_buckets for w in self._widths(1)]
+        top = next_power_of_two(max_batched_tokens, MIN_TOKEN_BUCKET)
+        for tokens in _powers_of_two(top, MIN_TOKEN_BUCKET):
+            least = tokens // 2 + 1 if tokens > MIN_TOKEN_BUCKET else 2
+            shapes += [StepShape(tokens, s, w) for s in seq_buckets if s <= tokens
+                       for w in self._widths(math.ceil(least / s))]
+        return shapes
+
+    def _widths(self, min_context: int) -> list[int]:
+        """Block-table widths of a step whose longest context is at least `min_context`."""
+        cap = self.cache.max_blocks_per_seq
+        widths = [w for w in _powers_of_two(next_power_of_two(cap, 1), MIN_CONTEXT_BLOCKS)
+                  if w < cap]
+        least = self.context_width(min_context)
+        return [w for w in [*widths, cap] if w >= least]
+
+    def _warm(self, shape: StepShape) -> None:
+        """Compile one shape with an all-padding call, plain sampling."""
+        batch, _ = self._batch([], shape)
+        sampling = make_sampling_arrays([], [], [], shape.seqs)
+        _, self.kv, self.penalties = self._step(
+            self.params, self.kv, self.penalties, batch, sampling,
+            num_top_logprobs=0, prompt_logprobs=False,
+        )
+
+    def _batch(
+        self, queries: Sequence[SequenceQuery], shape: StepShape
+    ) -> tuple[StepBatch, np.ndarray]:
+        """Lay the queries back to back in `shape`; padding tokens drop their K/V and
+        padding sequences point at the scratch slot. Also returns query_start [S + 1]."""
+        t, s = shape.tokens, shape.seqs
+        arrays = {
+            "tokens": np.zeros((t,), np.int32),
+            "targets": np.zeros((t,), np.int32),
+            "positions": np.zeros((t,), np.int32),
+            "kv_rows": np.full((t,), self.kv.num_rows, np.int32),  # out of range: dropped
+            "token_seq": np.zeros((t,), np.int32),
+            "record": np.zeros((t,), np.bool_),
+            "is_output": np.zeros((t,), np.bool_),
+            "query_start": np.zeros((s + 1,), np.int32),
+            "context": np.zeros((s,), np.int32),
+            "tables": np.zeros((s, shape.width), np.int32),  # padding entries: block 0, masked
+            "slots": np.full((s,), self.cache.max_num_seqs, np.int32),  # scratch row
+            "last_index": np.zeros((s,), np.int32),
+            "fresh": np.zeros((s,), np.bool_),
+            "emit": np.zeros((s,), np.bool_),
+        }
+        offset = 0
+        for i, query in enumerate(queries):
+            offset = _fill_sequence(arrays, i, offset, query, self.cache.block_size)
+        arrays["query_start"][len(queries) + 1:] = offset
+        meta = AttentionMetadata(
+            positions=arrays["positions"], kv_rows=arrays["kv_rows"],
+            query_start=arrays["query_start"], context_lens=arrays["context"],
+            block_tables=arrays["tables"], num_seqs=np.array([len(queries)], np.int32))
+        batch = StepBatch(
+            tokens=arrays["tokens"], meta=meta, targets=arrays["targets"],
+            token_seq=arrays["token_seq"], record=arrays["record"],
+            is_output=arrays["is_output"], last_index=arrays["last_index"],
+            slots=arrays["slots"], fresh=arrays["fresh"], emit=arrays["emit"])
+        return batch, arrays["query_start"]
 
 
 @functools.cache
@@ -352,7 +367,7 @@ def _jitted_step(config: ModelConfig, block_size: int, attention_impl: str) -> A
     step = partial(_step, config=config, block_size=block_size,
                    attention_fn=get_attention_fn(attention_impl))
     return jax.jit(
-        step, static_argnames=("num_top_logprobs", "prompt_logprobs", "is_prefill"),
+        step, static_argnames=("num_top_logprobs", "prompt_logprobs"),
         donate_argnames=("kv", "penalties"),
     )
 
@@ -372,23 +387,30 @@ def _powers_of_two(top: int, start: int = 1) -> list[int]:
     return out
 
 
-def _fill_row(
-    arrays: dict[str, np.ndarray], i: int, query: SequenceQuery, block_size: int
-) -> None:
+def _fill_sequence(
+    arrays: dict[str, np.ndarray], i: int, offset: int, query: SequenceQuery, block_size: int
+) -> int:
+    """Write sequence i's query tokens from token `offset`; returns the next offset."""
     n = len(query.token_ids)
+    end = offset + n
     pos = np.arange(query.start, query.start + n, dtype=np.int32)
-    blocks = np.asarray(query.block_table, np.int32)[pos // block_size]
-    arrays["tokens"][i, :n] = query.token_ids
-    arrays["targets"][i, : len(query.targets)] = query.targets
-    arrays["positions"][i, :n] = pos
-    arrays["kv_rows"][i, :n] = blocks * block_size + pos % block_size
-    arrays["valid"][i, :n] = True
-    arrays["is_output"][i, :n] = pos >= query.prompt_len
+    table = np.asarray(query.block_table, np.int32)
+    arrays["tokens"][offset:end] = query.token_ids
+    arrays["targets"][offset: offset + len(query.targets)] = query.targets
+    arrays["positions"][offset:end] = pos
+    arrays["kv_rows"][offset:end] = table[pos // block_size] * block_size + pos % block_size
+    arrays["token_seq"][offset:end] = i
+    arrays["record"][offset:end] = query.record
+    arrays["is_output"][offset:end] = pos >= query.prompt_len
+    arrays["query_start"][i: i + 2] = offset, end
     arrays["context"][i] = query.start + n
+    used = min(len(table), arrays["tables"].shape[1])
+    arrays["tables"][i, :used] = table[:used]
     arrays["slots"][i] = query.slot
-    arrays["last_index"][i] = n - 1
-    arrays["fresh"][i] = query.start == 0
+    arrays["last_index"][i] = end - 1
+    arrays["fresh"][i] = query.fresh
     arrays["emit"][i] = query.emit
+    return end
 
 
 def _bucket_logprobs(k: int) -> int:
@@ -410,44 +432,39 @@ def _step(
     attention_fn: AttentionFn,
     num_top_logprobs: int,
     prompt_logprobs: bool,
-    is_prefill: bool,
 ) -> tuple[StepOutput, KVCache, PenaltyState]:
     """Forward, sample and update the penalty state, all in one compiled program."""
     hidden, kv = forward(params, config, batch.tokens, kv, batch.meta, block_size=block_size,
-                         attention_fn=attention_fn)
-    last = jnp.take_along_axis(hidden, batch.last_index[:, None, None], axis=1)[:, 0]
-    logits = lm_head(params, config, last)  # [B, V]
-    if is_prefill:
-        penalties = _reset_penalties(penalties, batch)
-    prompt_mask = penalties.prompt_mask[batch.slots]  # [B, V]
-    counts = penalties.output_counts[batch.slots]
+                         attention_fn=attention_fn)  # [T, d_model]
+    logits = lm_head(params, config, hidden[batch.last_index])  # [S, V]
+    prompt_mask, counts = _sequence_statistics(penalties, batch)  # [S, V]
     sampled = sample(logits, sampling, prompt_mask, counts, num_top_logprobs)
-    new_counts = update_output_counts(counts, sampled.tokens, batch.emit)
-    penalties = penalties.replace(
-        output_counts=penalties.output_counts.at[batch.slots].set(new_counts)
+    counts = update_output_counts(counts, sampled.tokens, batch.emit)
+    penalties = PenaltyState(
+        prompt_mask=penalties.prompt_mask.at[batch.slots].set(prompt_mask),
+        output_counts=penalties.output_counts.at[batch.slots].set(counts),
     )
     scores = _prompt_logprobs(params, config, hidden, batch.targets) if prompt_logprobs else (
-        jnp.zeros((batch.tokens.shape[0], 0), jnp.float32)
+        jnp.zeros((0,), jnp.float32)
     )
     return StepOutput(sample=sampled, prompt_logprobs=scores), kv, penalties
 
 
-def _reset_penalties(penalties: PenaltyState, batch: StepBatch) -> PenaltyState:
-    """Record a prefill's tokens: prompt tokens in the mask, earlier outputs (a resumed
-    sequence) in the counts. Rows starting a sequence are cleared first."""
+def _sequence_statistics(
+    penalties: PenaltyState, batch: StepBatch
+) -> tuple[jax.Array, jax.Array]:
+    """Each sequence's prompt mask and output counts [S, V] with this step's recorded
+    tokens added: prompt tokens to the mask, earlier outputs (a resumed sequence) to
+    the counts. Sequences starting fresh are cleared first."""
     vocab = penalties.prompt_mask.shape[1]
-    fresh = batch.fresh[:, None]  # [B, 1]
-    mask = jnp.where(fresh, False, penalties.prompt_mask[batch.slots])  # [B, V]
+    fresh = batch.fresh[:, None]  # [S, 1]
+    mask = jnp.where(fresh, False, penalties.prompt_mask[batch.slots])  # [S, V]
     counts = jnp.where(fresh, 0, penalties.output_counts[batch.slots])
-    rows = jnp.broadcast_to(jnp.arange(batch.tokens.shape[0])[:, None], batch.tokens.shape)
-    prompt_cols = jnp.where(batch.valid & ~batch.is_output, batch.tokens, vocab)  # else dropped
-    output_cols = jnp.where(batch.valid & batch.is_output, batch.tokens, vocab)
-    mask = mask.at[rows, prompt_cols].set(True, mode="drop")
-    counts = counts.at[rows, output_cols].add(1, mode="drop")
-    return PenaltyState(
-        prompt_mask=penalties.prompt_mask.at[batch.slots].set(mask),
-        output_counts=penalties.output_counts.at[batch.slots].set(counts),
-    )
+    prompt_cols = jnp.where(batch.record & ~batch.is_output, batch.tokens, vocab)  # else dropped
+    output_cols = jnp.where(batch.record & batch.is_output, batch.tokens, vocab)
+    mask = mask.at[batch.token_seq, prompt_cols].set(True, mode="drop")
+    counts = counts.at[batch.token_seq, output_cols].add(1, mode="drop")
+    return mask, counts
 
 
 def _record_history(
@@ -468,21 +485,19 @@ def _record_history(
 def _prompt_logprobs(
     params: Params, config: ModelConfig, hidden: jax.Array, targets: jax.Array
 ) -> jax.Array:
-    """log p(targets[t] | tokens[..t]) for every position t -> [B, T].
+    """log p(targets[t] | tokens[..t]) for every token t -> [T].
 
-    Runs the LM head over chunks of positions so the [T, V] logits never exist at once.
+    Runs the LM head over chunks of tokens so the [T, V] logits never exist at once.
     """
-    b, t, d = hidden.shape
+    t, d = hidden.shape
     chunk = min(PROMPT_LOGPROB_CHUNK, t)
     pad = (-t) % chunk
-    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d)
-    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, -1, chunk)
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, d)
+    y = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
 
     def score(args: tuple[jax.Array, jax.Array]) -> jax.Array:
-        h_chunk, y_chunk = args  # [B, chunk, d], [B, chunk]
-        logits = lm_head(params, config, h_chunk)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return jnp.take_along_axis(logp, y_chunk[..., None], axis=-1)[..., 0]
+        h_chunk, y_chunk = args  # [chunk, d], [chunk]
+        logp = jax.nn.log_softmax(lm_head(params, config, h_chunk), axis=-1)
+        return jnp.take_along_axis(logp, y_chunk[:, None], axis=-1)[:, 0]
 
-    scores = jax.lax.map(score, (jnp.moveaxis(h, 1, 0), jnp.moveaxis(y, 1, 0)))
-    return jnp.moveaxis(scores, 0, 1).reshape(b, -1)[:, :t]
+    return jax.lax.map(score, (h, y)).reshape(-1)[:t]

@@ -106,6 +106,12 @@ class SamplingParams:
         self._validate_flags()
 
     @property
+    def uses_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty is on."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
     def greedy(self) -> bool:
         """True when the request takes the argmax (temperature below SAMPLING_EPS)."""
         return self.temperature < SAMPLING_EPS

@@ -3,10 +3,10 @@
 Same contract as `ragged_reference.py` (flat q [T, H, hd], query_start,
 context_lens, block_tables, num_seqs); on CPU it runs under the Pallas
 interpreter (`interpret=True`), which is what the tests use, and lowers to
-Triton IR without a GPU (the tests check that too). It generalises
-`flash_prefill.py` (query tiles, online softmax over pages) and
-`paged_decode.py` (GQA group padded to a dot, int8 scales) from the batched
-[B, T] layout to the flat one, so decodes and prompt chunks share one call.
+Triton IR without a GPU (the tests check that too). Query tiles walk their
+sequence's pages with an online softmax; the GQA group is padded to a dot's
+rows; int8 pools fold their scales into the math. Decodes and prompt chunks
+share one call.
 
 Tiles. The wrapper cuts each live sequence's tokens into query tiles of
 `query_block` tokens that never cross a sequence (`query_tiles` from the
@@ -156,7 +156,9 @@ def tile_table(
     static: Tiling,
 ) -> jax.Array:
     """[N, len(TILE_FIELDS)] int32: each query tile's sequence, tokens, offset, keys, steps."""
-    seq, q_lo, valid = query_tiles(query_start, num_seqs, num_tokens, static.query_block)
+    seq, q_lo, valid = query_tiles(query_start, live_query_lens(query_start, num_seqs),
+                                   num_tokens, static.query_block,
+                                   max_runs=context_lens.shape[0])
     q_hi = jnp.where(valid, jnp.minimum(q_lo + static.query_block, query_start[seq + 1]), q_lo)
     pos_offset = context_lens[seq] - query_start[seq + 1]  # a token's position - its index
     first_key = jnp.maximum(q_lo + pos_offset - window + 1, 0)

@@ -7,25 +7,40 @@ s owns the tokens q[query_start[s]:query_start[s + 1]]; the cache holds
 `context_lens[s]` tokens after this step (its cached prefix plus these
 queries), so its query j sits at position context_lens[s] - q_len[s] + j. It
 attends to keys p <= its position with position - p < window, read through
-its block-table row from the pool (block b owns rows [b*bs, (b+1)*bs), as in
-reference.py). Sequences s >= num_seqs are padding (query length 0); tokens at
-or past query_start[num_seqs] come out as zeros. Soft-cap, int8 pools with
-scales and GQA follow reference.py exactly; masked keys get weight exactly 0,
-so stale or NaN rows, and NaN scales, never leak, and a query with no key
-(only possible with window < 1) gets zeros.
+its block-table row from the pool (the pool of each layer is a flat array of
+cache rows, [num_blocks * block_size, KV, hd]; block b owns rows [b*bs,
+(b+1)*bs)). Sequences s >= num_seqs are padding (query length 0); tokens at or
+past query_start[num_seqs] come out as zeros. Query heads share KV heads in
+groups (GQA/MQA). Masked keys get weight exactly 0, so stale or NaN rows, and
+NaN scales, never leak, and a query with no key (only possible with window <
+1) gets zeros. Writing new tokens into the pool is not attention's job (the
+caller scatters them first).
 
-How the reference computes it. Query tokens are cut into tiles of
-QUERY_TILE tokens that never cross a sequence (a sequence of n tokens makes
-ceil(n / QUERY_TILE) tiles; the count is bounded statically by
-ceil(T / QUERY_TILE) + S). `lax.map` walks the tiles: a tile gathers its
-sequence's W blocks of K/V from the pool (only blocks that sequence's table
-names), runs masked softmax attention for its tokens and scatters them back.
+int8 KV cache. A pool may hold int8 values with one f32 scale per (row, KV
+head): `k_scale` / `v_scale` [L, rows, KV], symmetric, x ≈ values * scale with
+scale = max|x| / 127 (0 for an all-zero vector). Every implementation takes the
+scales as keyword arguments (None for a float pool) and folds them into the
+math instead of dequantizing K/V tiles: scores = (q . k_int8) * k_scale, and
+p * v_scale before the p . V dot, both in f32. int8 values are exact in bf16
+and f32, so the dots see the stored integers unchanged.
 
-Cost per call: (ceil(T / QUERY_TILE) + S) tiles, each gathering W*bs rows of
-K and V ([W*bs, KV, hd]) and computing H*QUERY_TILE*W*bs scores, i.e. peak
-memory is one tile's context and scores, never a context per query token.
-Work is padded to whole tiles and whole block tables: a decode costs one
-tile, and windows do not shrink the gather (the kernels skip those blocks).
+How the reference computes it (it is also the `xla` path the engine runs on
+CPU, so it avoids padded work where it can). Sequences with one query token
+(decodes) are attended together: one batched gather of each sequence's W
+blocks and one query row each, as a decode step always did. Longer query runs
+(prompt chunks, draft tokens) are cut into tiles of QUERY_TILE tokens that
+never cross a sequence; `lax.map` walks the tiles, and a tile past the last
+real one is skipped (`lax.cond`), so the static tile bound, ceil(T /
+QUERY_TILE) + min(S, T // 2), costs nothing where the step holds fewer. A
+tile gathers its sequence's W blocks of K/V (only blocks that sequence's
+table names), runs masked softmax attention for its tokens and scatters them
+back.
+
+Cost per call: S one-query rows over W*bs keys, plus one tile per started
+QUERY_TILE tokens of each longer run, each gathering W*bs rows of K and V and
+computing H*QUERY_TILE*W*bs scores; peak memory is one tile's context and
+scores, never a context per query token. Windows do not shrink the gather
+(the kernels skip those blocks).
 
 Dynamic facts that cannot be checked under jit, and are the caller's promise:
 query_start is non-decreasing with query_start[num_seqs] <= T, num_seqs <= S,
@@ -35,13 +50,44 @@ entries of live blocks are valid block ids.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.reference import check_kv_scales, gather_context
-
 QUERY_TILE = 32  # query tokens per reference tile
+
+
+def check_kv_scales(
+    k_pool: jax.Array, v_pool: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
+) -> bool:
+    """True for an int8 pool with scales [L, rows, KV]; False for a float pool; else raise."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together (int8 KV pools)")
+    quantized = k_scale is not None
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if (pool.dtype == jnp.int8) != quantized:
+            raise ValueError(
+                f"{name} is {pool.dtype}: int8 pools need k_scale/v_scale, float pools take none"
+            )
+    if quantized and (k_scale.shape != k_pool.shape[:3] or v_scale.shape != v_pool.shape[:3]):
+        raise ValueError(
+            f"k_scale {k_scale.shape} / v_scale {v_scale.shape} must be [L, rows, KV] "
+            f"= {k_pool.shape[:3]}"
+        )
+    return quantized
+
+
+def gather_context(
+    pool: jax.Array, layer: jax.Array, block_tables: jax.Array, block_size: int
+) -> jax.Array:
+    """Rows each sequence owns: pool [L, rows, KV, ...] -> [B, max_blocks*block_size, KV, ...]."""
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    rows = (block_tables[:, :, None] * block_size + offsets).reshape(block_tables.shape[0], -1)
+    return pool[layer, rows]
+
 
 
 def check_ragged_args(
@@ -127,41 +173,75 @@ def ragged_paged_attention_reference(
     quantized = check_ragged_args(
         q, k_pool, v_pool, query_start, context_lens, block_tables, num_seqs,
         block_size=block_size, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+    attend = partial(
+        _attend_tile, k_pool=k_pool, v_pool=v_pool, layer=layer,
+        scales=(k_scale, v_scale) if quantized else None, block_size=block_size, scale=scale,
+        window=window, softcap=softcap)
+    query_start = query_start.astype(jnp.int32)
+    lens = live_query_lens(query_start, num_seqs)  # [S]
+    out = jnp.zeros_like(q)
+    out = _attend_single_queries(out, q, query_start, lens, context_lens, block_tables, attend)
+    if q.shape[0] < 2:  # no room for a longer run
+        return out
+    return lax.cond(  # a step of decodes only skips the tile loop at once
+        jnp.any(lens > 1),
+        lambda o: _attend_runs(o, q, query_start, lens, context_lens, block_tables, attend),
+        lambda o: o, out)
+
+
+def _attend_single_queries(
+    out: jax.Array, q: jax.Array, query_start: jax.Array, lens: jax.Array,
+    context_lens: jax.Array, block_tables: jax.Array, attend: Callable[..., jax.Array],
+) -> jax.Array:
+    """Sequences with one query token, all in one batched gather -> out with their rows set."""
+    t = q.shape[0]
+    rows = jnp.minimum(query_start[:-1], t - 1)  # [S] each sequence's first token
+    single = lens == 1
+    q_pos = (context_lens.astype(jnp.int32) - 1)[:, None]  # [S, 1]
+    outs = jax.vmap(attend)(q[rows][:, None], q_pos, single[:, None], table=block_tables)
+    return out.at[jnp.where(single, rows, t)].set(outs[:, 0], mode="drop")
+
+
+def _attend_runs(
+    out: jax.Array, q: jax.Array, query_start: jax.Array, lens: jax.Array,
+    context_lens: jax.Array, block_tables: jax.Array, attend: Callable[..., jax.Array],
+) -> jax.Array:
+    """Sequences with more than one query token, in tiles that skip when empty."""
     t, h, hd = q.shape
     tile = min(QUERY_TILE, t)
-    query_start = query_start.astype(jnp.int32)
-    tile_seq, tile_start, tile_valid = query_tiles(query_start, num_seqs, t, tile)
+    run_lens = jnp.where(lens > 1, lens, 0)  # [S] one-token sequences are done
+    tile_seq, tile_start, tile_valid = query_tiles(
+        query_start, run_lens, t, tile, max_runs=min(lens.shape[0], t // 2))
     q_padded = jnp.pad(q, ((0, tile), (0, 0), (0, 0)))  # a tile may start anywhere below T
-    scales = (k_scale, v_scale) if quantized else None
 
-    def attend(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def attend_tile(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         seq, start, valid = args
         rows = start + jnp.arange(tile, dtype=jnp.int32)  # [tile] token index in q
-        row_ok = valid & (rows < query_start[seq + 1])
-        q_len = query_start[seq + 1] - query_start[seq]
-        q_pos = context_lens[seq] - q_len + rows - query_start[seq]  # [tile]
-        out = _attend_tile(
-            lax.dynamic_slice_in_dim(q_padded, start, tile), q_pos, row_ok, k_pool, v_pool,
-            layer, block_tables[seq], scales, block_size=block_size, scale=scale,
-            window=window, softcap=softcap)
-        return out, jnp.where(row_ok, rows, t)  # t: dropped by the scatter
+        row_ok = valid & (rows < query_start[seq] + run_lens[seq])
+        q_pos = context_lens[seq] - lens[seq] + rows - query_start[seq]  # [tile]
+        computed = lax.cond(
+            valid, lambda: attend(lax.dynamic_slice_in_dim(q_padded, start, tile), q_pos,
+                                  row_ok, table=block_tables[seq]),
+            lambda: jnp.zeros((tile, h, hd), q.dtype))
+        return computed, jnp.where(row_ok, rows, t)  # t: dropped by the scatter
 
-    outs, targets = lax.map(attend, (tile_seq, tile_start, tile_valid))  # [N, tile, H, hd]
-    out = jnp.zeros((t, h, hd), q.dtype)
+    outs, targets = lax.map(attend_tile, (tile_seq, tile_start, tile_valid))  # [N, tile, H, hd]
     return out.at[targets.reshape(-1)].set(outs.reshape(-1, h, hd), mode="drop")
 
 
 def query_tiles(
-    query_start: jax.Array, num_seqs: jax.Array, num_tokens: int, tile: int
+    query_start: jax.Array, lens: jax.Array, num_tokens: int, tile: int, max_runs: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Cut each live sequence's tokens into tiles of `tile` -> seq, start, valid [N].
+    """Cut each sequence's `lens` [S] tokens from `query_start` into tiles of `tile`
+    -> seq, start, valid [N].
 
-    N = ceil(num_tokens / tile) + S bounds the real count; tiles past it are invalid.
+    N = ceil(num_tokens / tile) + max_runs bounds the real count when at most
+    `max_runs` sequences have tokens; tiles past it are invalid.
     """
-    num_seq_slots = query_start.shape[0] - 1
-    counts = -(-live_query_lens(query_start, num_seqs) // tile)  # [S] tiles per sequence
+    num_seq_slots = lens.shape[0]
+    counts = -(-lens // tile)  # [S] tiles per sequence
     ends = jnp.cumsum(counts)  # [S] inclusive
-    index = jnp.arange(-(-num_tokens // tile) + num_seq_slots, dtype=jnp.int32)  # [N]
+    index = jnp.arange(-(-num_tokens // tile) + max_runs, dtype=jnp.int32)  # [N]
     seq = jnp.searchsorted(ends, index, side="right").astype(jnp.int32)  # [N]
     valid = seq < num_seq_slots
     seq = jnp.minimum(seq, num_seq_slots - 1)
@@ -173,12 +253,12 @@ def _attend_tile(
     q: jax.Array,  # [tile, H, hd]
     q_pos: jax.Array,  # [tile] int32 query positions
     row_ok: jax.Array,  # [tile] bool: the token belongs to the sequence
+    *,
+    table: jax.Array,  # [W] the sequence's block-table row
     k_pool: jax.Array,  # [L, rows, KV, hd]
     v_pool: jax.Array,  # [L, rows, KV, hd]
     layer: jax.Array,
-    table: jax.Array,  # [W] the sequence's block-table row
     scales: tuple[jax.Array, jax.Array] | None,  # int8: k_scale, v_scale [L, rows, KV]
-    *,
     block_size: int,
     scale: float,
     window: jax.Array | int,

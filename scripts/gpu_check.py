@@ -4,17 +4,15 @@
     python scripts/gpu_check.py --interpret   # CPU smoke run: both kernels, interpreters
 
 On an NVIDIA GPU:
-1. Compiles the ragged Triton kernel, the flash-prefill and the paged-decode
-   kernels for real (interpret=False) and compares them with their jnp
-   references (and the ragged one with a float64 oracle) on random inputs,
-   built by tests/ragged_inputs.py and tests/paged_inputs.py as in the tests.
-2. Times a decode-heavy and a prefill-heavy ragged batch, kernel against the
-   XLA reference.
-3. Times decode attention at batch 64, context 4,096 (Gemma 3 270M shapes and
-   a Llama-like GQA shape) against the XLA reference, and reports the achieved
-   HBM bandwidth: K/V bytes read / time.
-4. Runs `LLM.generate` with dummy Gemma 3 270M weights under both
-   attention implementations and reports decode tokens/s for each.
+1. Compiles the ragged Triton kernel for real (interpret=False) and compares
+   it with the jnp reference and a float64 oracle on random inputs, built by
+   tests/ragged_inputs.py as in the tests.
+2. Times a decode-heavy and a prefill-heavy ragged batch and pure decode at
+   batch 64, context 4,096 (Gemma 3 270M's heads), kernel against the XLA
+   reference, with the achieved bandwidth: K/V bytes read / time.
+3. Runs `LLM.generate` with dummy Gemma 3 270M weights under both
+   attention implementations (each step one flat ragged call) and reports
+   decode tokens/s for each.
 On a TPU: steps 1 and 2 for the ragged Mosaic kernel.
 With --interpret (any machine): steps 1 and 2 for both ragged kernels under
 their interpreters, on batches a tenth the size; the timings then mean nothing.
@@ -36,17 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.ops.types import NO_WINDOW
-from pallas_kernels.flash_prefill import flash_prefill_attention
-from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
-from pallas_kernels.reference import paged_attention_reference
 
-# The kernel tests' input builders: the checks use the same layouts the CPU tests do.
+# The kernel tests' input builder: the checks use the same layouts the CPU tests do.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from paged_inputs import LAYER, PagedInputs, make_paged_inputs
-from ragged_inputs import Case, dense_attention, make_case
+from ragged_inputs import LAYER, Case, dense_attention, make_case
 
 RAGGED_KERNELS = {"gpu": ragged_paged_attention_gpu, "tpu": ragged_paged_attention_tpu}
 RAGGED_CASES = [  # (sequences as (query length, context), builder options, window, softcap)
@@ -59,14 +53,8 @@ RAGGED_CASES = [  # (sequences as (query length, context), builder options, wind
 RAGGED_BATCHES = {  # (count, query length, context) groups of Gemma 3 270M-shaped sequences
     "decode_heavy": [(64, 1, 2048), (1, 256, 2048)],
     "prefill_heavy": [(4, 1024, 1024), (8, 1, 1024)],
+    "decode_b64_4k": [(64, 1, 4096)],
 }
-
-
-def paged_inputs(batch: int, q_len: int, context: int, heads: int, kv_heads: int,
-                 head_dim: int, dtype: jnp.dtype) -> PagedInputs:
-    """`batch` rows of `context` tokens each, running their last `q_len`."""
-    return make_paged_inputs([context] * batch, [q_len] * batch, kv_heads=kv_heads,
-                             group=heads // kv_heads, head_dim=head_dim, dtype=dtype)
 
 
 def timed(fn: Callable[[], jax.Array], repeats: int = 20) -> float:
@@ -116,47 +104,12 @@ def time_ragged(kernel: Callable, groups: list[tuple[int, int, int]], shrink: in
     seqs = [(max(1, n // shrink), max(1, c // shrink)) for count, n, c in groups
             for _ in range(count)]
     case = make_case(seqs, dtype=jnp.bfloat16, head_dim=256)  # Gemma 3 270M: 4 heads, 1 KV
+    context = sum(c for _, c in seqs)
+    kv_bytes = 2 * context * case.k_pool.shape[2] * case.k_pool.shape[3] * 2  # bf16 K and V
     result = {"sequences": len(seqs), "tokens": int(case.q.shape[0]),
-              "context_tokens": sum(c for _, c in seqs)}
+              "context_tokens": context, "kv_bytes": kv_bytes}
     for name, fn in (("pallas", kernel), ("xla", ragged_paged_attention_reference)):
-        result[f"{name}_ms"] = timed(ragged_call(fn, case, NO_WINDOW, None), repeats) * 1e3
-    return result
-
-
-def check_kernels() -> list[dict]:
-    results = []
-    cases = [  # (kernel, q_len, context, heads, kv_heads, head_dim, window, dtype)
-        (flash_prefill_attention, 128, 300, 4, 1, 256, NO_WINDOW, jnp.float32),
-        (flash_prefill_attention, 64, 200, 8, 2, 128, 48, jnp.bfloat16),
-        (paged_decode_attention, 1, 1000, 4, 1, 256, NO_WINDOW, jnp.float32),
-        (paged_decode_attention, 1, 777, 8, 1, 64, 100, jnp.bfloat16),
-    ]
-    for kernel, q_len, context, heads, kv_heads, hd, window, dtype in cases:
-        p = paged_inputs(4, q_len, context, heads, kv_heads, hd, dtype)
-        args = (p.q, p.k_pool, p.v_pool, LAYER, *p.paging)
-        kwargs = dict(block_size=p.block_size, scale=p.scale, window=window)
-        got = jax.jit(lambda *a, kernel=kernel, kw=kwargs: kernel(*a, **kw))(*args)
-        want = paged_attention_reference(*args, **kwargs)
-        error = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
-        results.append({"kernel": kernel.__name__, "q_len": q_len, "context": context,
-                        "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
-                        "window": int(window), "dtype": jnp.dtype(dtype).name,
-                        "max_abs_error": error,
-                        "ok": error < (1e-4 if dtype == jnp.float32 else 2e-2)})
-    return results
-
-
-def time_decode(heads: int, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> dict:
-    batch, context = 64, 4096
-    p = paged_inputs(batch, 1, context, heads, kv_heads, head_dim, dtype)
-    kwargs = dict(block_size=p.block_size, scale=p.scale, window=NO_WINDOW)
-    pallas = jax.jit(lambda *a: paged_decode_attention(*a, **kwargs))
-    xla = jax.jit(lambda *a: paged_attention_reference(*a, **kwargs))
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * jnp.dtype(dtype).itemsize
-    result = {"batch": batch, "context": context, "heads": heads, "kv_heads": kv_heads,
-              "head_dim": head_dim, "dtype": jnp.dtype(dtype).name, "kv_bytes": kv_bytes}
-    for name, fn in (("pallas", pallas), ("xla", xla)):
-        seconds = timed(lambda fn=fn: fn(p.q, p.k_pool, p.v_pool, LAYER, *p.paging))
+        seconds = timed(ragged_call(fn, case, NO_WINDOW, None), repeats)
         result[f"{name}_ms"] = seconds * 1e3
         result[f"{name}_GBps"] = kv_bytes / seconds / 1e9
     return result
@@ -200,11 +153,7 @@ def plan(platform: str, interpret: bool) -> list[tuple[str, Callable[[], object]
     if platform == "tpu":
         return ragged_steps("tpu", False)
     if platform == "gpu":
-        return [*ragged_steps("gpu", False),
-                ("kernels", check_kernels),
-                ("decode_gemma3", lambda: time_decode(4, 1, 256, jnp.bfloat16)),
-                ("decode_gqa8", lambda: time_decode(32, 8, 128, jnp.bfloat16)),
-                ("dummy_model", bench_dummy_model)]
+        return [*ragged_steps("gpu", False), ("dummy_model", bench_dummy_model)]
     return []
 
 

@@ -106,6 +106,16 @@ def make_case(
         tuple(stored[1][LAYER, rows] for rows in seq_rows), block_size)
 
 
+def shuffled_block_tables(
+    rng: np.random.Generator, rows: int, blocks_per_row: int, spare_blocks: int
+) -> tuple[np.ndarray, int]:
+    """Distinct physical blocks in random order -> (tables [rows, blocks_per_row] int32,
+    number of blocks in the pool); the spare blocks end up unused between used ones."""
+    num_blocks = rows * blocks_per_row + spare_blocks
+    tables = rng.permutation(num_blocks)[: rows * blocks_per_row].reshape(rows, blocks_per_row)
+    return tables.astype(np.int32), num_blocks
+
+
 def _store(k: np.ndarray, v: np.ndarray, dtype, int8: bool) -> tuple[np.ndarray, ...]:
     """Pools as the cache holds them: dtype-rounded floats, or int8 values with scales."""
     if not int8:

@@ -1,73 +1,54 @@
-"""Which kernels each `attention_impl` reaches, and the batched -> ragged adapter.
+"""Which kernel each `attention_impl` reaches, and the engine through each.
 
-`pallas-tpu-interpret` runs the ragged TPU kernel under the TPU interpreter
-through `ragged_tpu_attention`, which packs the batched rows flat: it must
-match the XLA reference on mixed batches (prompt chunks after a cached prefix,
-decodes, padding rows, windows, soft-cap, GQA, int8 KV) and give the same
-greedy tokens through the engine. `pallas` resolves by platform, and on CPU
-is a start-up error that names the interpreted choices.
+Through the engine, every step is one flat ragged call: decodes beside prompt
+chunks (after cached prefixes, mid-block), sliding windows, GQA, int8 KV. The
+kernels under their interpreters must give the greedy tokens the XLA reference
+gives. `pallas` resolves by platform, and on CPU is a start-up error that names
+the interpreted choices.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from paged_inputs import LAYER, make_paged_inputs
 
 from jaxinfer import LLM, ConfigError, SamplingParams
-from jaxinfer.ops.attention import get_attention_fn, ragged_tpu_attention, xla_attention
-from jaxinfer.ops.types import NO_WINDOW, AttentionMetadata
+from jaxinfer.ops.attention import get_attention_fn, gpu_attention, tpu_attention
 from jaxinfer.weights import load_model
 
 TINY = Path(__file__).parent / "data" / "tiny"
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 12, 13], [100, 1, 60, 60, 60, 60, 60, 2, 9, 8, 7, 6]]
-STATIC = ("block_size", "scale", "softcap")
-
-_xla = jax.jit(xla_attention, static_argnames=STATIC)
-_ragged = jax.jit(functools.partial(ragged_tpu_attention, interpret=True),
-                  static_argnames=STATIC)
+SHARED_PREFIX = [*PROMPTS[2][:8], 30, 31, 32, 33, 34]  # a cache hit of two 4-token blocks
 
 
-@pytest.mark.parametrize(
-    ("window", "softcap", "int8"),
-    [(NO_WINDOW, None, False), (5, 30.0, False), (NO_WINDOW, None, True)],
-    ids=["global", "window-softcap", "int8"],
-)
-def test_adapter_matches_the_reference_on_mixed_rows(window: int, softcap, int8: bool) -> None:
-    # rows: a chunk after a 21-token prefix, a whole prompt, padding, a decode, a short chunk
-    case = make_paged_inputs([37, 9, 0, 20, 12], [16, 9, 0, 1, 3], kv_heads=2, group=2,
-                             head_dim=32, block_size=8)
-    meta = AttentionMetadata(positions=case.positions, kv_rows=jnp.zeros_like(case.positions),
-                             block_tables=case.block_tables, context_lens=case.context_lens)
-    pools = case.int8() if int8 else {"k_pool": case.k_pool, "v_pool": case.v_pool}
-    outs = [np.asarray(fn(case.q, pools["k_pool"], pools["v_pool"], jnp.int32(LAYER), meta,
-                          block_size=case.block_size, scale=case.scale,
-                          window=jnp.int32(window), softcap=softcap,
-                          k_scale=pools.get("k_scale"), v_scale=pools.get("v_scale")))
-            for fn in (_xla, _ragged)]  # [B, T, H, hd]
-    for row, n in enumerate(case.q_lens):
-        np.testing.assert_allclose(outs[1][row, :n], outs[0][row, :n], atol=2e-5, rtol=2e-5)
-        assert not outs[1][row, n:].any(), f"row {row}: padding tokens must come out as zeros"
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    return load_model(TINY / "gemma3")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_tpu_interpret_engine_generates_what_xla_does(kv_cache_dtype: str) -> None:
-    # Tiny Gemma 3: a 4-token sliding window on local layers, GQA (4 heads on 2 KV heads);
-    # 8-token steps cut the longest prompt into chunks after a cached prefix.
-    model = load_model(TINY / "gemma3")
+def greedy_tokens(model, impl: str, kv_cache_dtype: str) -> list[list[int]]:
+    """Tiny Gemma 3 (a 4-token sliding window on local layers, GQA: 4 heads on 2 KV
+    heads); 8-token steps put decodes beside chunks of the longer prompts, and the
+    last prompt starts after a cached prefix of the third."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    outputs = {}
-    for impl in ("xla", "pallas-tpu-interpret"):
-        llm = LLM(loaded=model, max_model_len=64, max_num_seqs=2, block_size=4,
-                  max_num_batched_tokens=8, attention_impl=impl, kv_cache_dtype=kv_cache_dtype)
-        outputs[impl] = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS,
-                                                           sampling_params=params)]
-    assert outputs["pallas-tpu-interpret"] == outputs["xla"]
+    llm = LLM(loaded=model, max_model_len=64, max_num_seqs=3, block_size=4,
+              max_num_batched_tokens=8, attention_impl=impl, kv_cache_dtype=kv_cache_dtype)
+    outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    outputs += llm.generate(prompt_token_ids=[SHARED_PREFIX], sampling_params=params)
+    assert llm.blocks.hit_rate > 0
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(("impl", "kv_cache_dtype"), [
+    ("pallas-tpu-interpret", "auto"), ("pallas-tpu-interpret", "int8"),
+    ("pallas-interpret", "auto"),
+])
+def test_kernels_through_the_engine_generate_what_xla_does(
+    tiny_gemma3, impl: str, kv_cache_dtype: str
+) -> None:
+    assert greedy_tokens(tiny_gemma3, impl, kv_cache_dtype) == greedy_tokens(
+        tiny_gemma3, "xla", kv_cache_dtype)
 
 
 def test_pallas_on_cpu_is_a_start_up_error_naming_the_interpreters() -> None:
@@ -79,8 +60,8 @@ def test_pallas_on_cpu_is_a_start_up_error_naming_the_interpreters() -> None:
 
 def test_pallas_resolves_to_the_kernels_of_the_platform() -> None:
     tpu, gpu = get_attention_fn("pallas", "tpu"), get_attention_fn("pallas", "gpu")
-    assert tpu.func is ragged_tpu_attention and tpu.keywords == {"interpret": False}
-    assert gpu.func.__name__ == "_pallas_attention" and gpu.keywords == {"interpret": False}
-    interpreted = get_attention_fn("pallas-tpu-interpret")
-    assert interpreted.func is ragged_tpu_attention and interpreted.keywords == {
-        "interpret": True}
+    assert tpu.func is tpu_attention and tpu.keywords == {"interpret": False}
+    assert gpu.func is gpu_attention and gpu.keywords == {"interpret": False}
+    for impl, fn in (("pallas-tpu-interpret", tpu_attention), ("pallas-interpret", gpu_attention)):
+        interpreted = get_attention_fn(impl)
+        assert interpreted.func is fn and interpreted.keywords == {"interpret": True}

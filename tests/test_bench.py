@@ -32,7 +32,7 @@ from jaxinfer.bench.workloads import (
     token_source,
 )
 from jaxinfer.errors import ConfigError
-from jaxinfer.runner import MIN_PREFILL_BUCKET
+from jaxinfer.runner import MIN_TOKEN_BUCKET
 from serve.bench import arrival_offsets
 from serve.cli import main
 
@@ -241,11 +241,11 @@ def test_offline_cli_writes_the_report(tmp_path: Path, capsys) -> None:
         assert run["input_tokens"] == 32 and run["output_tokens"] == 16
         assert run["output_tokens_per_s"] == pytest.approx(16 / run["seconds"])
         assert run["ttft"]["count"] == 4 and run["itl"]["count"] == 12
-    # one sequence at a time: a prefill call padded to the smallest length bucket, then
-    # one single-row decode call per further token, one call per step
+    # one sequence at a time: a prompt step padded to the smallest token bucket, then
+    # one single-token step per further token, one call per step
     alone = report["jaxinfer"]["runs"][0]
     assert alone["steps"] == 4 * 4 and alone["device_calls_per_step"] == 1
-    assert alone["padding_waste"] == pytest.approx((MIN_PREFILL_BUCKET + 3) / (8 + 3))
+    assert alone["padding_waste"] == pytest.approx((MIN_TOKEN_BUCKET + 3) / (8 + 3))
     assert "computed/useful tokens" in printed
     assert report["machine"]["memory_gbps"] > 0 and report["machine"]["compute_gflops"] > 0
     lines = report["roofline"]

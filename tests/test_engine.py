@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
+import jax
 import pytest
 from prometheus_client import generate_latest
 
@@ -195,3 +196,51 @@ def test_async_streams_cancel_and_metrics(llama, baseline) -> None:
         assert "jaxinfer_request_ttft_seconds_count 3.0" in text  # the aborted one too
     finally:
         front.shutdown()
+
+
+@pytest.fixture
+def device_executions(monkeypatch) -> list[int]:
+    """A one-item list counting every compiled-program execution from now on.
+
+    JAX runs a warm jitted call through a C++ fast path that Python never sees;
+    turning that path off (and dropping the caches that hold it) sends every
+    execution through `ExecuteReplicated.__call__`, which is counted. Both are
+    JAX internals (jax 0.10): if they move, this fixture fails loudly.
+    """
+    from jax._src import pjit
+    from jax._src.interpreters import pxla
+
+    count = [0]
+    execute = pxla.ExecuteReplicated.__call__
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(pjit, "_get_fastpath_data", lambda *args, **kwargs: None)
+    monkeypatch.setattr(pxla.ExecuteReplicated, "__call__", counted)
+    jax.clear_caches()
+    yield count
+    jax.clear_caches()  # drop programs compiled without their fast path
+
+
+def test_one_device_execution_per_step(llama, device_executions: list[int]) -> None:
+    """Decodes beside prompt chunks (chunked, after cached prefixes): every step with
+    work is exactly one device execution, whatever its mix."""
+    llm = engine_llm(llama, max_num_batched_tokens=8)
+    engine = llm.engine
+    for i, prompt in enumerate([*PROMPTS[:3], PROMPTS[6], PROMPTS[0] + [7, 7, 7]]):
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=GREEDY)
+    mixes = set()
+    while engine.has_unfinished():
+        running = engine.scheduler.running
+        decodes = any(not s.in_prefill for s in running)
+        mixes.add((decodes, any(s.in_prefill for s in running)))
+        before = device_executions[0]
+        engine.step()
+        calls = device_executions[0] - before
+        assert calls == 1, f"{calls} device executions in one step"
+    assert (True, True) in mixes  # some step ran decodes and prompt chunks together
+    assert engine.blocks.hit_rate > 0
+    stats = engine.stats
+    assert stats.device_calls == stats.steps

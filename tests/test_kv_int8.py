@@ -1,26 +1,22 @@
-"""int8 KV cache: writing, the reference and both Pallas kernels, the engine, sizing.
+"""int8 KV cache: writing, the reference on int8 pools, the engine, sizing.
 
-The int8 rule itself (round trip, zero vectors) is tested in test_int8.py.
-
-Pools here come from tests/paged_inputs.py, as in test_paged_decode.py and
-test_flash_prefill.py: a shuffled, non-contiguous block table and a second layer of noise.
-The kernels (interpret mode) must match the reference on int8 pools within
-float rounding (same math: the scales are folded into the scores and into p).
-The int8 reference must equal the float reference run on the dequantized pool,
-and stay within a bound derived from the quantization step of the float one.
+The int8 rule itself (round trip, zero vectors) is tested in test_int8.py; the
+ragged kernels on int8 pools (and NaN scales in unread rows) in
+test_ragged_attention.py. Pools here come from tests/ragged_inputs.py: a
+shuffled, non-contiguous block table and a second layer of noise. The int8
+reference must equal the float reference run on the dequantized pool, and stay
+within a bound derived from the quantization step of the float one.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import replace
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_inputs import LAYER, PagedInputs, make_paged_inputs
+from ragged_inputs import LAYER, Case, make_case
 
 from jaxinfer import LLM, ConfigError, SamplingParams
 from jaxinfer.args import engine_config_from_args
@@ -33,20 +29,14 @@ from jaxinfer.ops.types import NO_WINDOW
 from jaxinfer.runner import ModelRunner
 from jaxinfer.weights import load_model
 from jaxinfer.weights.dummy import dummy_params
-from pallas_kernels.flash_prefill import flash_prefill_attention
-from pallas_kernels.paged_decode import paged_decode_attention
-from pallas_kernels.reference import paged_attention_reference
+from pallas_kernels.ragged_reference import ragged_paged_attention_reference
 from serve.cli import build_parser
 
 TINY = Path(__file__).parent / "data" / "tiny"
 KERNEL_TOL = 1e-5  # f32: kernels and reference do the same math on int8 pools
 STATIC = ("block_size", "scale", "softcap")
 
-_reference = jax.jit(paged_attention_reference, static_argnames=STATIC)
-_decode = jax.jit(functools.partial(paged_decode_attention, interpret=True),
-                  static_argnames=(*STATIC, "num_splits"))
-_prefill = jax.jit(functools.partial(flash_prefill_attention, interpret=True),
-                   static_argnames=STATIC)
+_reference = jax.jit(ragged_paged_attention_reference, static_argnames=STATIC)
 
 
 # ----------------------------------------------------------------- writing
@@ -55,9 +45,9 @@ _prefill = jax.jit(functools.partial(flash_prefill_attention, interpret=True),
 def test_write_kv_int8_scatters_values_and_scales_and_drops_padding() -> None:
     pool = jnp.zeros((2, 8, 1, 4), jnp.int8)
     scales = jnp.zeros((2, 8, 1), jnp.float32)
-    new = jnp.arange(1.0, 9.0).reshape(1, 2, 1, 4)  # [B, T, KV, hd]
-    pool, scales = write_kv_int8(pool, scales, jnp.int32(1), new, jnp.array([[5, 99]]))
-    values, scale = quantize_int8(new[0, 0])
+    new = jnp.arange(1.0, 9.0).reshape(2, 1, 4)  # [T, KV, hd]
+    pool, scales = write_kv_int8(pool, scales, jnp.int32(1), new, jnp.array([5, 99]))
+    values, scale = quantize_int8(new[0])
     np.testing.assert_array_equal(pool[1, 5], values)
     np.testing.assert_array_equal(scales[1, 5], scale)
     assert int(jnp.count_nonzero(pool)) == 4 and int(jnp.count_nonzero(scales)) == 1
@@ -66,21 +56,16 @@ def test_write_kv_int8_scatters_values_and_scales_and_drops_padding() -> None:
 # ----------------------------------------------------------------- attention
 
 
-def attend(fn, case: PagedInputs, window: int, softcap: float | None = None,
-           **pools) -> np.ndarray:
-    pools = pools or {"k_pool": case.k_pool, "v_pool": case.v_pool}
-    out = fn(case.q, pools.pop("k_pool"), pools.pop("v_pool"), jnp.int32(LAYER), *case.paging,
-             block_size=case.block_size, scale=case.scale, window=jnp.int32(window),
-             softcap=softcap, **pools)
+def attend(case: Case, window: int, **pools: jax.Array | None) -> np.ndarray:
+    """The XLA reference on `case` (or on `pools` in its place) -> [T, H, hd] float64."""
+    pools = {"k_pool": case.k_pool, "v_pool": case.v_pool, **case.scales(), **pools}
+    out = _reference(case.q, pools.pop("k_pool"), pools.pop("v_pool"), jnp.int32(LAYER),
+                     *case.metadata, block_size=case.block_size, scale=case.scale,
+                     window=jnp.int32(window), softcap=None, **pools)
     return np.asarray(out, np.float64)
 
 
-def real(out: np.ndarray, case: PagedInputs) -> np.ndarray:
-    """The real query slots of every row, concatenated -> [N, H, hd]."""
-    return np.concatenate([out[row, :n] for row, n in enumerate(case.q_lens)])
-
-
-def quantization_bound(case: PagedInputs) -> float:
+def quantization_bound(case: Case) -> float:
     """Worst-case |int8 - float| attention output, from the quantization step.
 
     K error per element <= s_k / 2 moves every score by at most
@@ -96,96 +81,19 @@ def quantization_bound(case: PagedInputs) -> float:
 
 @pytest.mark.parametrize("window", [NO_WINDOW, 20])
 def test_reference_int8_pool_is_the_float_reference_on_dequantized_values(window: int) -> None:
-    case = make_paged_inputs([37, 64, 5], [16, 16, 5], kv_heads=2, max_blocks=4)
-    pools = case.int8()
-    got = real(attend(_reference, case, window, **pools), case)
-    dequantized = replace(
-        case, k_pool=dequantize_int8(pools["k_pool"], pools["k_scale"]),
-        v_pool=dequantize_int8(pools["v_pool"], pools["v_scale"]),
-    )
-    np.testing.assert_allclose(got, real(attend(_reference, dequantized, window), case),
-                               atol=KERNEL_TOL, rtol=0)
-    error = np.abs(got - real(attend(_reference, case, window), case)).max()
-    assert error <= quantization_bound(case), (error, quantization_bound(case))
+    """int8 attention == float attention over the dequantized pool, and within the
+    quantization bound of float attention over the unquantized one. (The kernels
+    against the reference on int8 pools: test_ragged_attention.py.)"""
+    seqs = [(16, 37), (1, 64), (5, 5)]  # a chunk after a prefix, a decode, a whole prompt
+    exact, quantized = make_case(seqs, kv_heads=2), make_case(seqs, kv_heads=2, int8=True)
+    got = attend(quantized, window)
+    dequantized = attend(quantized, window, k_scale=None, v_scale=None,
+                         k_pool=dequantize_int8(quantized.k_pool, quantized.k_scale),
+                         v_pool=dequantize_int8(quantized.v_pool, quantized.v_scale))
+    np.testing.assert_allclose(got, dequantized, atol=KERNEL_TOL, rtol=0)
+    error = np.abs(got - attend(exact, window)).max()
+    assert error <= quantization_bound(exact), (error, quantization_bound(exact))
     assert error < 0.05  # what the bound allows is far from what happens: ~0.01 here
-
-
-@pytest.mark.parametrize(
-    ("ctx", "window", "num_splits", "softcap"),
-    [([37, 16, 64, 1], NO_WINDOW, 1, None), ([40, 17, 64, 0], 8, 2, None),
-     ([33, 5, 64, 48], NO_WINDOW, 4, 5.0)],
-    ids=["global", "window-split2", "softcap-split4-padding"],
-)
-def test_paged_decode_kernel_reads_int8_pools(ctx, window, num_splits, softcap) -> None:
-    case = make_paged_inputs(ctx, kv_heads=2, max_blocks=4)  # decode: one query per row
-    got = attend(_decode, case, window, softcap, num_splits=num_splits, **case.int8())
-    want = attend(_reference, case, window, softcap, **case.int8())
-    live = np.asarray(ctx) > 0
-    np.testing.assert_allclose(got[live], want[live], atol=KERNEL_TOL, rtol=0)
-    assert not got[~live].any()  # padding rows: zeros, never NaN
-
-
-@pytest.mark.parametrize(
-    ("ctx", "q_lens", "window", "softcap"),
-    [([48, 21], [48, 5], NO_WINDOW, None), ([64, 45], [16, 45], 10, None),
-     ([40, 64], [40, 30], 33, 5.0)],
-    ids=["prompt-and-chunk", "window", "softcap"],
-)
-def test_flash_prefill_kernel_reads_int8_pools(ctx, q_lens, window, softcap) -> None:
-    case = make_paged_inputs(ctx, q_lens, seq=48, head_dim=128, max_blocks=4)
-    got = real(attend(_prefill, case, window, softcap, **case.int8()), case)
-    want = real(attend(_reference, case, window, softcap, **case.int8()), case)
-    np.testing.assert_allclose(got, want, atol=KERNEL_TOL, rtol=0)
-
-
-def test_nan_scales_in_unread_rows_are_ignored() -> None:
-    """NaN scales (and extreme int8 values) in blocks outside the window, rows past the
-    context and unused blocks: both kernels and the reference still give the clean result."""
-    case = make_paged_inputs([40, 17], max_blocks=4)
-    window = 8
-    clean = case.int8()
-    tables = np.asarray(case.block_tables)
-    block = case.block_size
-    read = {tables[b, p // block] * block + p % block
-            for b, c in enumerate(np.asarray(case.context_lens))
-            for p in range(max(0, c - window), c)}
-    unread = np.array([r for r in range(case.k_pool.shape[1]) if r not in read])
-    poisoned = {name: np.array(array) for name, array in clean.items()}
-    for name in ("k_scale", "v_scale"):
-        poisoned[name][LAYER, unread] = np.nan
-    for name in ("k_pool", "v_pool"):
-        poisoned[name][LAYER, unread] = 127
-    poisoned = {name: jnp.asarray(array) for name, array in poisoned.items()}
-    want = attend(_reference, case, window, **clean)
-    for fn in (_reference, _decode, _prefill):
-        got = attend(fn, case, window, **poisoned)
-        assert np.isfinite(got).all(), fn
-        np.testing.assert_allclose(got, want, atol=KERNEL_TOL, rtol=0)
-
-
-def test_kernels_reject_scales_without_int8_pools() -> None:
-    case = make_paged_inputs([5], kv_heads=2, max_blocks=4)
-    pools = case.int8()
-    with pytest.raises(ValueError, match="k_scale"):
-        attend(paged_attention_reference, case, NO_WINDOW, k_pool=pools["k_pool"],
-               v_pool=pools["v_pool"])
-    with pytest.raises(ValueError, match="k_scale"):
-        attend(paged_decode_attention, case, NO_WINDOW, k_scale=pools["k_scale"],
-               v_scale=pools["v_scale"], k_pool=case.k_pool, v_pool=case.v_pool)
-
-
-@pytest.mark.parametrize("kernel", [paged_decode_attention, flash_prefill_attention])
-def test_int8_kernels_lower_through_pallas_triton(kernel) -> None:
-    """The int8 path stays inside Pallas' Triton lowering (no GPU needed)."""
-    s = jax.ShapeDtypeStruct
-    t = 1 if kernel is paged_decode_attention else 40
-    pool, scales = (2, 256, 1, 256), (2, 256, 1)
-    paging = (s((2, t), jnp.int32), s((2, 6), jnp.int32), s((2,), jnp.int32))
-    fn = jax.jit(functools.partial(kernel, block_size=16, scale=0.1, softcap=30.0))
-    traced = fn.trace(s((2, t, 4, 256), jnp.bfloat16), s(pool, jnp.int8), s(pool, jnp.int8),
-                      s((), jnp.int32), *paging, window=s((), jnp.int32),
-                      k_scale=s(scales, jnp.float32), v_scale=s(scales, jnp.float32))
-    assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 # ----------------------------------------------------------------- engine

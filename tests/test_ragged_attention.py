@@ -23,7 +23,11 @@ from pallas_kernels.ragged_gpu import (
     tile_table,
     token_rows,
 )
-from pallas_kernels.ragged_reference import query_tiles, ragged_paged_attention_reference
+from pallas_kernels.ragged_reference import (
+    live_query_lens,
+    query_tiles,
+    ragged_paged_attention_reference,
+)
 from pallas_kernels.ragged_tpu import block_sequences, ragged_paged_attention_tpu
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
@@ -148,7 +152,8 @@ def test_block_sequences() -> None:
 
 def test_query_tiles_cover_each_sequence_once() -> None:
     starts = jnp.array([0, 5, 5, 40, 41, 41], jnp.int32)  # an empty live sequence, then padding
-    seq, start, valid = query_tiles(starts, jnp.array([4], jnp.int32), 44, 16)
+    lens = live_query_lens(starts, jnp.array([4], jnp.int32))
+    seq, start, valid = query_tiles(starts, lens, 44, 16, max_runs=5)
     tiles = [(int(s), int(b)) for s, b, ok in zip(seq, start, valid, strict=True) if ok]
     assert tiles == [(0, 0), (2, 5), (2, 21), (2, 37), (3, 40)]
 

@@ -112,13 +112,13 @@ def latency_roofline(bench: EngineBench, ours: dict[str, Any],
     budget = llm.engine.scheduler.config.max_num_batched_tokens
     lines = []
     for p in ours["prefill"]:
-        shape = prefill_shape(llm.runner, p["prompt_len"], budget)
-        name = f"prefill {p['prompt_len']} (b=1, T={shape['length']} x{shape['calls']})"
-        lines.append(roofline_line(name, step_cost(llm.runner, shape), shape["calls"],
+        shape, calls = prefill_shape(llm.runner, p["prompt_len"], budget)
+        name = f"prefill {p['prompt_len']} (T={shape.tokens} x{calls})"
+        lines.append(roofline_line(name, step_cost(llm.runner, shape), calls,
                                    p["seconds"], peaks))
     for d in ours["decode"]:
         shape = decode_shape(llm.runner, 1, d["context_len"] + d["new_tokens"])
-        name = f"decode @{d['context_len']} (b=1, {shape['width']} blocks)"
+        name = f"decode @{d['context_len']} (b=1, {shape.width} blocks)"
         lines.append(roofline_line(name, step_cost(llm.runner, shape), 1,
                                    d["seconds_per_token"], peaks))
     return lines
@@ -195,7 +195,7 @@ def offline_roofline(bench: EngineBench, workload: Workload, runs: list[dict[str
     for run in runs:
         batch = min(run["concurrency"], len(workload.requests))
         shape = decode_shape(runner, batch, context)
-        name = f"decode b={shape['batch']} @{context} (median ITL, c={run['concurrency']})"
+        name = f"decode b={shape.seqs} @{context} (median ITL, c={run['concurrency']})"
         lines.append(roofline_line(name, step_cost(runner, shape), 1,
                                    run["itl"]["p50"], peaks))
     return lines

@@ -5,7 +5,7 @@ copy for memory bandwidth (GB/s), a large matmul in the model's dtype for
 compute (GFLOP/s). A step's FLOPs and bytes come from XLA's cost analysis
 (`jit(...).lower(...).compile().cost_analysis()`) of a step built here from the
 model's public pieces (forward, LM head, sampling), for the padded shapes the
-runner really dispatches (its batch and length buckets, block table width);
+runner really dispatches (its token, sequence and block-table buckets);
 with a measured step time they give the achieved GB/s and
 GFLOP/s and their fractions of the peaks. Decode at small batch should sit
 near the bandwidth roof, long prefills near the compute roof.
@@ -28,7 +28,7 @@ from jaxinfer.model.params import Params
 from jaxinfer.model.transformer import KVCache, forward, init_kv_cache, lm_head
 from jaxinfer.ops.attention import AttentionFn, get_attention_fn
 from jaxinfer.ops.types import AttentionMetadata
-from jaxinfer.runner import ModelRunner, next_power_of_two
+from jaxinfer.runner import ModelRunner, StepShape
 from jaxinfer.sampling import SampleOutput, SamplingArrays, make_sampling_arrays, sample
 
 BANDWIDTH_ELEMENTS = 1 << 26  # 256 MiB of f32: far past any cache
@@ -62,21 +62,19 @@ def measure_peaks(dtype: Any = jnp.float32) -> dict[str, Any]:
             "matmul_dtype": str(jnp.dtype(dtype)), "matmul_n": n}
 
 
-def prefill_shape(runner: ModelRunner, prompt_len: int, budget: int) -> dict[str, int]:
-    """The padded prefill call(s) of one `prompt_len` prompt, chunked by `budget` tokens."""
+def prefill_shape(runner: ModelRunner, prompt_len: int, budget: int) -> tuple[StepShape, int]:
+    """The step shape of one `prompt_len` prompt chunked by `budget` tokens (its last
+    chunk's context), and the number of steps it takes."""
     chunk = min(prompt_len, budget)
-    return {"batch": 1, "length": runner.prefill_bucket(chunk),
-            "width": runner.context_width(prompt_len),  # the last chunk's context
-            "calls": math.ceil(prompt_len / chunk)}
+    return runner.step_shape([chunk], prompt_len), math.ceil(prompt_len / chunk)
 
 
-def decode_shape(runner: ModelRunner, batch: int, context: int) -> dict[str, int]:
-    """The padded decode call of `batch` sequences whose longest context is `context`."""
-    return {"batch": next_power_of_two(batch, 1), "length": 1,
-            "width": runner.context_width(context), "calls": 1}
+def decode_shape(runner: ModelRunner, batch: int, context: int) -> StepShape:
+    """The step shape of `batch` decoding sequences whose longest context is `context`."""
+    return runner.step_shape([1] * batch, context)
 
 
-def step_cost(runner: ModelRunner, shape: dict[str, int]) -> dict[str, float]:
+def step_cost(runner: ModelRunner, shape: StepShape) -> dict[str, float]:
     """FLOPs and bytes accessed of one step call of `shape`, by XLA's cost analysis."""
     cost = step_lowering(runner, shape).compile().cost_analysis()
     if isinstance(cost, list):  # older JAX: one dict per program
@@ -87,29 +85,30 @@ def step_cost(runner: ModelRunner, shape: dict[str, int]) -> dict[str, float]:
 
 
 def step_lowering(
-    runner: ModelRunner, shape: dict[str, int], *, unroll_layers: bool = True
+    runner: ModelRunner, shape: StepShape, *, unroll_layers: bool = True
 ) -> jax.stages.Lowered:
-    """The runner's step of `shape` (forward, LM head at each row's last token, plain
-    sampling), lowered over abstract inputs.
+    """The runner's step of `shape` (forward, LM head at each sequence's last token,
+    plain sampling), lowered over abstract inputs.
 
     The layer scan is unrolled: the analysis counts a loop body once whatever its
     trip count. The KV pool holds just the blocks the call reads: the analysis
     charges an in-place K/V write with the whole pool, which the real update never
     touches.
     """
-    b, t, width = shape["batch"], shape["length"], shape["width"]
+    t, s, width = shape.tokens, shape.seqs, shape.width
     cache, config = runner.cache, runner.config
-    kv = jax.eval_shape(partial(init_kv_cache, config, b * width * cache.block_size,
+    kv = jax.eval_shape(partial(init_kv_cache, config, s * width * cache.block_size,
                                 runner.dtype, cache.kv_cache_dtype))
-    meta = AttentionMetadata(positions=_int32(b, t), kv_rows=_int32(b, t),
-                             block_tables=_int32(b, width), context_lens=_int32(b))
+    meta = AttentionMetadata(positions=_int32(t), kv_rows=_int32(t), query_start=_int32(s + 1),
+                             context_lens=_int32(s), block_tables=_int32(s, width),
+                             num_seqs=_int32(1))
     step = jax.jit(partial(_sampled_step, config=config, block_size=cache.block_size,
                            attention_fn=get_attention_fn(cache.attention_impl),
                            unroll_layers=unroll_layers))
-    penalties = (jax.ShapeDtypeStruct((b, config.vocab_size), np.bool_),
-                 jax.ShapeDtypeStruct((b, config.vocab_size), np.int32))
-    return step.lower(runner.params, kv, _int32(b, t), meta, _int32(b),
-                      make_sampling_arrays([], [], [], b), *penalties)
+    penalties = (jax.ShapeDtypeStruct((s, config.vocab_size), np.bool_),
+                 jax.ShapeDtypeStruct((s, config.vocab_size), np.int32))
+    return step.lower(runner.params, kv, _int32(t), meta, _int32(s),
+                      make_sampling_arrays([], [], [], s), *penalties)
 
 
 def _int32(*shape: int) -> jax.ShapeDtypeStruct:
@@ -119,12 +118,12 @@ def _int32(*shape: int) -> jax.ShapeDtypeStruct:
 def _sampled_step(
     params: Params,
     kv: KVCache,
-    tokens: jax.Array,  # [B, T] int32
+    tokens: jax.Array,  # [T] int32
     meta: AttentionMetadata,
-    last_index: jax.Array,  # [B] int32, each row's last real token
+    last_index: jax.Array,  # [S] int32, each sequence's last query token
     sampling: SamplingArrays,
-    prompt_mask: jax.Array,  # [B, V] bool
-    output_counts: jax.Array,  # [B, V] int32
+    prompt_mask: jax.Array,  # [S, V] bool
+    output_counts: jax.Array,  # [S, V] int32
     *,
     config: ModelConfig,
     block_size: int,
@@ -132,9 +131,8 @@ def _sampled_step(
     unroll_layers: bool,
 ) -> tuple[SampleOutput, KVCache]:
     hidden, kv = forward(params, config, tokens, kv, meta, block_size=block_size,
-                         attention_fn=attention_fn, unroll_layers=unroll_layers)
-    last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]  # [B, d]
-    logits = lm_head(params, config, last)  # [B, V]
+                         attention_fn=attention_fn, unroll_layers=unroll_layers)  # [T, d]
+    logits = lm_head(params, config, hidden[last_index])  # [S, V]
     return sample(logits, sampling, prompt_mask, output_counts, 0), kv
 
 

@@ -14,8 +14,10 @@ Words, one meaning each (the code and its comments keep to them):
   a step's `kv_rows` say where each new token's K/V is written.
 - **slot**: a running sequence's row in per-sequence device state (the penalty
   statistics); free slots are handed out at admission and returned at finish.
-- **step**: one engine iteration: one scheduling decision and its device calls.
+- **step**: one engine iteration: one scheduling decision and its one device call
+  over a flat batch of every scheduled sequence's query tokens.
 - **chunk**: the part of a prompt one step runs (chunked prefill: `PrefillChunk`).
 - **query**: the tokens a sequence runs in a step (a chunk, or its last sampled
-  token when decoding), as the runner receives them: `SequenceQuery`.
+  token when decoding), as the runner receives them: `SequenceQuery`; its
+  **query length** is their count.
 """

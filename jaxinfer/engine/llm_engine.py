@@ -3,8 +3,8 @@
 Each step:
 1. applies aborts requested since the last step (from any thread);
 2. asks the scheduler for a plan (decodes, prompt chunks, preemptions);
-3. runs the prompt chunks (grouped by length bucket, one device call per
-   group) and the decodes (one device call), each sampling on device;
+3. runs the decodes and prompt chunks together in one device call over a
+   flat batch of their tokens, which samples on device;
 4. feeds the sampled tokens back: K/V bookkeeping, prefix-cache commits,
    incremental detokenization, stop checks, metrics;
 5. returns the step's deltas, which the offline API collects and the async
@@ -16,7 +16,6 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,14 +34,7 @@ from jaxinfer.outputs import (
     StreamDelta,
     Usage,
 )
-from jaxinfer.runner import (
-    MIN_PREFILL_BUCKET,
-    ModelRunner,
-    PendingStep,
-    SequenceQuery,
-    StepResult,
-    next_power_of_two,
-)
+from jaxinfer.runner import ModelRunner, SequenceQuery, StepResult
 from jaxinfer.sampling import SamplingParams, find_stop_string
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxinfer.weights import LoadedModel
@@ -140,20 +132,19 @@ class LLMEngine:
             plan = self.scheduler.schedule()
         start = time.perf_counter()
         self._mark_scheduled(plan.prefills, start)
-        # dispatch every device call of the step first, then read results in order
-        pending = [(group, self._dispatch_prefills(group))
-                   for group in _group_by_bucket(plan.prefills)]
-        decoding = self.runner.decode([self._decode_query(s) for s in plan.decodes]) if (
-            plan.decodes) else None
-        for group, step in pending:
-            deltas += self._accept_prefills(group, step.result())
-        if decoding is not None:
-            deltas += self._accept_decodes(plan.decodes, decoding.result())
-        calls = [step for _, step in pending] + ([decoding] if decoding is not None else [])
+        calls, computed = 0, 0
+        if not plan.empty:
+            calls = self._record_prefix_histories(plan.prefills)
+            queries = ([self._decode_query(seq) for seq in plan.decodes]
+                       + [self._prefill_query(chunk) for chunk in plan.prefills])
+            pending = self.runner.step(queries)
+            result = pending.result()
+            deltas += self._accept_decodes(plan.decodes, result)
+            deltas += self._accept_prefills(plan.prefills, result, first_row=len(plan.decodes))
+            calls, computed = calls + 1, pending.computed_tokens
         self.stats.record_step(
             num_tokens=plan.num_tokens, num_preempted=len(plan.preempted),
-            seconds=time.perf_counter() - start, device_calls=len(calls),
-            computed_tokens=sum(call.computed_tokens for call in calls),
+            seconds=time.perf_counter() - start, device_calls=calls, computed_tokens=computed,
         )
         return deltas
 
@@ -271,24 +262,32 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
                 metrics.cached_tokens = chunk.seq.num_cached
 
-    def _dispatch_prefills(self, chunks: list[PrefillChunk]) -> PendingStep:
+    def _record_prefix_histories(self, chunks: list[PrefillChunk]) -> int:
+        """Start the penalty statistics of prefix-cache hits that use penalties from
+        their cached tokens (elsewhere they are never read); returns the device calls."""
+        calls = 0
         for chunk in chunks:
-            if chunk.first and chunk.start:
-                seq = chunk.seq  # a prefix-cache hit: penalties start from the cached tokens
+            if self._history_recorded(chunk):
+                seq = chunk.seq
                 self.runner.record_history(seq.slot, seq.tokens(0, chunk.start),
                                            len(seq.prompt_ids))
-        return self.runner.prefill([self._prefill_query(chunk) for chunk in chunks])
+                calls += 1
+        return calls
+
+    def _history_recorded(self, chunk: PrefillChunk) -> bool:
+        params = self._samples[chunk.seq.seq_id].request.params
+        return chunk.first and chunk.start > 0 and params.uses_penalties
 
     def _accept_prefills(
-        self, chunks: list[PrefillChunk], result: StepResult
+        self, chunks: list[PrefillChunk], result: StepResult, first_row: int
     ) -> list[StreamDelta]:
         deltas = []
-        for i, chunk in enumerate(chunks):
+        for row, chunk in enumerate(chunks, start=first_row):
             sample = self._samples[chunk.seq.seq_id]
-            self._record_prompt_logprobs(sample, chunk, result.prompt_logprobs, i)
+            self._record_prompt_logprobs(sample, chunk, result.prompt_scores(row))
             self.scheduler.on_computed(chunk.seq, chunk.num_tokens)
             if chunk.completes:
-                deltas += self._accept(sample, result, i)
+                deltas += self._accept(sample, result, row)
         return deltas
 
     def _accept_decodes(
@@ -309,6 +308,7 @@ class LLMEngine:
             block_table=seq.block_table, params=sample.request.params, seed=sample.seed,
             step=len(seq.output_ids), prompt_len=len(seq.prompt_ids), emit=chunk.completes,
             targets=seq.tokens(chunk.start + 1, stop + 1) if wants_scores else (),
+            record=True, fresh=chunk.first and not self._history_recorded(chunk),
         )
 
     def _decode_query(self, seq: SequenceState) -> SequenceQuery:
@@ -320,8 +320,9 @@ class LLMEngine:
         )
 
     def _record_prompt_logprobs(
-        self, sample: _Sample, chunk: PrefillChunk, scores: np.ndarray, row: int
+        self, sample: _Sample, chunk: PrefillChunk, scores: np.ndarray
     ) -> None:
+        """scores [chunk tokens]: log p(next token) at each of the chunk's positions."""
         request = sample.request
         if request.params.prompt_logprobs is None or sample.seq.sample_index or (
             sample.seq.preemptions
@@ -334,7 +335,7 @@ class LLMEngine:
         for t in range(chunk.num_tokens):
             target = chunk.start + t + 1
             if target < len(prompt):
-                entries.append({prompt[target]: float(scores[row, t])})
+                entries.append({prompt[target]: float(scores[t])})
 
     # ----------------------------------------------------------------- outputs
 
@@ -435,14 +436,6 @@ class LLMEngine:
                 "compiles": self.runner.compile_count,
                 "steps": self.stats.steps,
             }
-
-
-def _group_by_bucket(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-    """Prompt chunks of the same length bucket share one device call."""
-    groups: dict[int, list[PrefillChunk]] = defaultdict(list)
-    for chunk in chunks:
-        groups[next_power_of_two(chunk.num_tokens, MIN_PREFILL_BUCKET)].append(chunk)
-    return list(groups.values())
 
 
 def _usage(sample: _Sample) -> Usage:

@@ -14,7 +14,7 @@ the model so that it also returns the tapped values it asks for:
     run = jax.jit(capture_intermediates(dense_forward, ["attn_in", "layer_out"]),
                   static_argnums=1)  # the config is static, as for dense_forward
     hidden, found = run(model.params, model.config, jnp.array([[1, 2, 3]]))
-    found["layer_out"].shape  # (num_layers, 1, 3, d_model): the residual stream
+    found["layer_out"].shape  # (num_layers, 3, d_model): the residual stream, flat tokens
 
 Taps inside the layer scan (`scan` below) come out stacked over layers, [L, ...],
 because the scan body returns them as scan outputs. The points the decoder

@@ -66,22 +66,22 @@ def _llama3_scale(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
 
 
 def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, head_dim] for positions [B, T] (halves duplicated, HF layout)."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    """cos, sin [..., head_dim] for positions [...] (halves duplicated, HF layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [B, T, heads, hd] with cos/sin [B, T, hd] (rotate-half convention)."""
+    """Rotate x [..., heads, hd] with cos/sin [..., hd] (rotate-half convention)."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    cos, sin = cos[..., None, :].astype(x.dtype), sin[..., None, :].astype(x.dtype)
     return x * cos + rotated * sin
 
 
 def layer_rope(config: ModelConfig, positions: jax.Array) -> dict[str, jax.Array]:
-    """RoPE tables for both layer kinds, stacked as [2, B, T, hd]: index 1 = local."""
+    """RoPE tables for both layer kinds, stacked as [2, *positions.shape, hd]: index 1 = local."""
     global_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     local_freq = rope_inv_freq(config.head_dim, config.local_theta, None)
     cos_g, sin_g = rope_tables(positions, global_freq)

@@ -37,11 +37,11 @@ from jaxinfer.ops.attention import (
 from jaxinfer.ops.types import NO_WINDOW, AttentionMetadata
 
 TAPS = {  # the intermediates each layer marks, and the weights that read them
-    "attn_in": "[B, T, d_model] normed layer input: read by q_proj, k_proj, v_proj",
-    "attn_out": "[B, T, heads * head_dim] attention output: read by o_proj",
-    "mlp_in": "[B, T, d_model] normed MLP input: read by gate_proj, up_proj",
-    "mlp_hidden": "[B, T, ffn] act(gate(x)) * up(x): read by down_proj",
-    "layer_out": "[B, T, d_model] the residual stream after the layer",
+    "attn_in": "[T, d_model] normed layer input: read by q_proj, k_proj, v_proj",
+    "attn_out": "[T, heads * head_dim] attention output: read by o_proj",
+    "mlp_in": "[T, d_model] normed MLP input: read by gate_proj, up_proj",
+    "mlp_hidden": "[T, ffn] act(gate(x)) * up(x): read by down_proj",
+    "layer_out": "[T, d_model] the residual stream after the layer",
 }
 
 
@@ -89,7 +89,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype: jnp.dtype, kv_cache_dtype: st
 def write_kv_cache(
     kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, kv_rows: jax.Array
 ) -> KVCache:
-    """Write one layer's new k, v [B, T, KV, hd] at `kv_rows` [B, T] (int8: quantized)."""
+    """Write one layer's new k, v [T, KV, hd] at `kv_rows` [T] (int8: quantized)."""
     if kv.k_scale is None:
         return kv.replace(k=write_kv(kv.k, layer, k, kv_rows),
                           v=write_kv(kv.v, layer, v, kv_rows))
@@ -99,7 +99,7 @@ def write_kv_cache(
 
 
 def embed_tokens(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """tokens [B, T] -> [B, T, d_model], scaled by sqrt(d_model) for Gemma."""
+    """tokens [...] -> [..., d_model], scaled by sqrt(d_model) for Gemma."""
     embed = params["embed"]
     if isinstance(embed, QuantizedWeight):
         h = take_rows(embed, tokens).astype(compute_dtype(params))
@@ -124,7 +124,7 @@ def lm_head(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
 def forward(
     params: Params,
     config: ModelConfig,
-    tokens: jax.Array,  # [B, T] int32
+    tokens: jax.Array,  # [T] int32, the step's query tokens back to back
     kv: KVCache,
     meta: AttentionMetadata,
     *,
@@ -132,7 +132,7 @@ def forward(
     attention_fn: AttentionFn = xla_attention,
     unroll_layers: bool = False,
 ) -> tuple[jax.Array, KVCache]:
-    """Run all layers; writes the new K/V into the pool. Returns hidden [B, T, d_model].
+    """Run all layers; writes the new K/V into the pool. Returns hidden [T, d_model].
 
     `unroll_layers` unrolls the layer scan into one copy of the body per layer: the
     same math and a longer compile, for XLA's cost analysis (which counts a loop body
@@ -160,30 +160,33 @@ def forward(
 def dense_forward(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
     """Hidden states [B, T, d_model] at every position of tokens [B, T], from position 0.
 
-    No cache to keep: each sequence writes its K/V into a throwaway block of T rows.
-    For calibration and scoring a whole text at once.
+    No cache to keep: the B sequences run as one flat step, each writing its K/V
+    into a throwaway block of T rows. For calibration and scoring a whole text at
+    once; taps captured from it are flat, [L, B * T, ...].
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     b, t = tokens.shape
     kv = init_kv_cache(config, b * t, compute_dtype(params))
     meta = AttentionMetadata(
-        positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-        kv_rows=jnp.arange(b * t, dtype=jnp.int32).reshape(b, t),
-        block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
+        positions=jnp.tile(jnp.arange(t, dtype=jnp.int32), b),
+        kv_rows=jnp.arange(b * t, dtype=jnp.int32),
+        query_start=jnp.arange(b + 1, dtype=jnp.int32) * t,
         context_lens=jnp.full((b,), t, jnp.int32),
+        block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
+        num_seqs=jnp.array([b], jnp.int32),
     )
-    h, _ = forward(params, config, tokens, kv, meta, block_size=t)
-    return h
+    h, _ = forward(params, config, tokens.reshape(-1), kv, meta, block_size=t)
+    return h.reshape(b, t, -1)
 
 
 def _decoder_layer(
     config: ModelConfig,
     layer: Params,
-    h: jax.Array,  # [B, T, d_model]
+    h: jax.Array,  # [T, d_model]
     kv: KVCache,  # all layers' pools; this layer's rows are written at `index`
     index: jax.Array,
     meta: AttentionMetadata,
-    cos: jax.Array,  # [B, T, hd]
+    cos: jax.Array,  # [T, hd]
     sin: jax.Array,
     window: jax.Array,
     *,
@@ -199,7 +202,7 @@ def _decoder_layer(
         window=window, softcap=config.attn_logit_softcap, k_scale=kv.k_scale,
         v_scale=kv.v_scale,
     )
-    attn = capture.tap("attn_out", attn.reshape(*attn.shape[:2], -1))
+    attn = capture.tap("attn_out", attn.reshape(attn.shape[0], -1))
     out = linear(attn, layer["o_proj"])
     if config.sandwich_norms:
         out = rms_norm(out, layer["post_attn_norm"], eps, offset)
@@ -214,12 +217,12 @@ def _decoder_layer(
 def _project_qkv(
     config: ModelConfig, layer: Params, x: jax.Array, cos: jax.Array, sin: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [B, T, d] -> q [B, T, H, hd], k and v [B, T, KV, hd], normed and rotated."""
-    b, t, _ = x.shape
+    """x [T, d] -> q [T, H, hd], k and v [T, KV, hd], normed and rotated."""
+    t = x.shape[0]
     hd = config.head_dim
-    q = linear(x, layer["q_proj"], layer.get("q_bias")).reshape(b, t, config.num_heads, hd)
-    k = linear(x, layer["k_proj"], layer.get("k_bias")).reshape(b, t, config.num_kv_heads, hd)
-    v = linear(x, layer["v_proj"], layer.get("v_bias")).reshape(b, t, config.num_kv_heads, hd)
+    q = linear(x, layer["q_proj"], layer.get("q_bias")).reshape(t, config.num_heads, hd)
+    k = linear(x, layer["k_proj"], layer.get("k_bias")).reshape(t, config.num_kv_heads, hd)
+    v = linear(x, layer["v_proj"], layer.get("v_bias")).reshape(t, config.num_kv_heads, hd)
     if config.qk_norm:
         q = rms_norm(q, layer["q_norm"], config.norm_eps, config.norm_offset)
         k = rms_norm(k, layer["k_norm"], config.norm_eps, config.norm_offset)

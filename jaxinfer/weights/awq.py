@@ -88,7 +88,7 @@ def _calibration_inputs(
                   static_argnums=1)
     _, taps = run(jax.tree.map(np.asarray, params), config, tokens[None])
     rows = np.random.default_rng(seed).permutation(len(tokens))[:SAMPLED_ROWS]
-    return {name: np.asarray(x[:, 0, rows], np.float32) for name, x in taps.items()}
+    return {name: np.asarray(x[:, rows], np.float32) for name, x in taps.items()}  # [L, T, ..]
 
 
 def best_act_scale(w: np.ndarray, x: np.ndarray, group: int) -> np.ndarray:
