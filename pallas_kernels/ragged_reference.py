@@ -29,18 +29,16 @@ CPU, so it avoids padded work where it can). Sequences with one query token
 (decodes) are attended together: one batched gather of each sequence's W
 blocks and one query row each, as a decode step always did. Longer query runs
 (prompt chunks, draft tokens) are cut into tiles of QUERY_TILE tokens that
-never cross a sequence; `lax.map` walks the tiles, and a tile past the last
-real one is skipped (`lax.cond`), so the static tile bound, ceil(T /
-QUERY_TILE) + min(S, T // 2), costs nothing where the step holds fewer. A
-tile gathers its sequence's W blocks of K/V (only blocks that sequence's
-table names), runs masked softmax attention for its tokens and scatters them
-back.
+never cross a sequence; `lax.scan` walks the tiles, gathering a sequence's W
+blocks of K/V once, at its first tile (only blocks its table names), and
+skipping tiles past the last real one (`lax.cond`), so the static tile bound,
+ceil(T / QUERY_TILE) + min(S, T // 2), costs nothing where the step holds
+fewer. A step of decodes only skips the tile loop altogether.
 
-Cost per call: S one-query rows over W*bs keys, plus one tile per started
-QUERY_TILE tokens of each longer run, each gathering W*bs rows of K and V and
-computing H*QUERY_TILE*W*bs scores; peak memory is one tile's context and
-scores, never a context per query token. Windows do not shrink the gather
-(the kernels skip those blocks).
+Cost per call: S one-query rows over W*bs keys, plus one gather of W*bs K/V
+rows per longer run and H*QUERY_TILE*W*bs scores per tile; peak memory is one
+sequence's context and one tile's scores, never a context per query token.
+Windows do not shrink the gather (the kernels skip those blocks).
 
 Dynamic facts that cannot be checked under jit, and are the caller's promise:
 query_start is non-decreasing with query_start[num_seqs] <= T, num_seqs <= S,
@@ -52,12 +50,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-QUERY_TILE = 32  # query tokens per reference tile
+QUERY_TILE = 64  # query tokens per reference tile
+
+
+class Context(NamedTuple):
+    """One sequence's gathered K/V rows (and int8 scales)."""
+
+    k: jax.Array  # [C, KV, hd]
+    v: jax.Array  # [C, KV, hd]
+    k_scale: jax.Array | None  # [C, KV] f32, int8 pools only
+    v_scale: jax.Array | None
 
 
 def check_kv_scales(
@@ -78,16 +86,6 @@ def check_kv_scales(
             f"= {k_pool.shape[:3]}"
         )
     return quantized
-
-
-def gather_context(
-    pool: jax.Array, layer: jax.Array, block_tables: jax.Array, block_size: int
-) -> jax.Array:
-    """Rows each sequence owns: pool [L, rows, KV, ...] -> [B, max_blocks*block_size, KV, ...]."""
-    offsets = jnp.arange(block_size, dtype=jnp.int32)
-    rows = (block_tables[:, :, None] * block_size + offsets).reshape(block_tables.shape[0], -1)
-    return pool[layer, rows]
-
 
 
 def check_ragged_args(
@@ -173,59 +171,69 @@ def ragged_paged_attention_reference(
     quantized = check_ragged_args(
         q, k_pool, v_pool, query_start, context_lens, block_tables, num_seqs,
         block_size=block_size, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
-    attend = partial(
-        _attend_tile, k_pool=k_pool, v_pool=v_pool, layer=layer,
-        scales=(k_scale, v_scale) if quantized else None, block_size=block_size, scale=scale,
-        window=window, softcap=softcap)
+    gather = partial(_gather_sequence, k_pool=k_pool, v_pool=v_pool, layer=layer,
+                     scales=(k_scale, v_scale) if quantized else None, block_size=block_size)
+    attend = partial(_attend_context, scale=scale, window=window, softcap=softcap)
     query_start = query_start.astype(jnp.int32)
     lens = live_query_lens(query_start, num_seqs)  # [S]
-    out = jnp.zeros_like(q)
-    out = _attend_single_queries(out, q, query_start, lens, context_lens, block_tables, attend)
+    seqs = _Sequences(query_start, lens, context_lens.astype(jnp.int32), block_tables)
+    out = _attend_single_queries(jnp.zeros_like(q), q, seqs, gather, attend)
     if q.shape[0] < 2:  # no room for a longer run
         return out
     return lax.cond(  # a step of decodes only skips the tile loop at once
-        jnp.any(lens > 1),
-        lambda o: _attend_runs(o, q, query_start, lens, context_lens, block_tables, attend),
-        lambda o: o, out)
+        jnp.any(lens > 1), lambda o: _attend_runs(o, q, seqs, gather, attend), lambda o: o, out)
+
+
+class _Sequences(NamedTuple):
+    query_start: jax.Array  # [S + 1]
+    lens: jax.Array  # [S] live query lengths (0 for padding)
+    context_lens: jax.Array  # [S]
+    block_tables: jax.Array  # [S, W]
 
 
 def _attend_single_queries(
-    out: jax.Array, q: jax.Array, query_start: jax.Array, lens: jax.Array,
-    context_lens: jax.Array, block_tables: jax.Array, attend: Callable[..., jax.Array],
+    out: jax.Array, q: jax.Array, seqs: _Sequences, gather: Callable[..., Context],
+    attend: Callable[..., jax.Array],
 ) -> jax.Array:
     """Sequences with one query token, all in one batched gather -> out with their rows set."""
     t = q.shape[0]
-    rows = jnp.minimum(query_start[:-1], t - 1)  # [S] each sequence's first token
-    single = lens == 1
-    q_pos = (context_lens.astype(jnp.int32) - 1)[:, None]  # [S, 1]
-    outs = jax.vmap(attend)(q[rows][:, None], q_pos, single[:, None], table=block_tables)
+    rows = jnp.minimum(seqs.query_start[:-1], t - 1)  # [S] each sequence's first token
+    single = seqs.lens == 1
+    q_pos = (seqs.context_lens - 1)[:, None]  # [S, 1]
+    contexts = jax.vmap(gather)(seqs.block_tables)
+    outs = jax.vmap(attend)(q[rows][:, None], q_pos, single[:, None], contexts)
     return out.at[jnp.where(single, rows, t)].set(outs[:, 0], mode="drop")
 
 
 def _attend_runs(
-    out: jax.Array, q: jax.Array, query_start: jax.Array, lens: jax.Array,
-    context_lens: jax.Array, block_tables: jax.Array, attend: Callable[..., jax.Array],
+    out: jax.Array, q: jax.Array, seqs: _Sequences, gather: Callable[..., Context],
+    attend: Callable[..., jax.Array],
 ) -> jax.Array:
-    """Sequences with more than one query token, in tiles that skip when empty."""
+    """Sequences with more than one query token, in tiles that skip when empty. The
+    tiles of a sequence are consecutive: its context is gathered once, at its first."""
     t, h, hd = q.shape
     tile = min(QUERY_TILE, t)
-    run_lens = jnp.where(lens > 1, lens, 0)  # [S] one-token sequences are done
-    tile_seq, tile_start, tile_valid = query_tiles(
-        query_start, run_lens, t, tile, max_runs=min(lens.shape[0], t // 2))
+    run_lens = jnp.where(seqs.lens > 1, seqs.lens, 0)  # [S] one-token sequences are done
+    tiles = query_tiles(seqs.query_start, run_lens, t, tile,
+                        max_runs=min(run_lens.shape[0], t // 2))
     q_padded = jnp.pad(q, ((0, tile), (0, 0), (0, 0)))  # a tile may start anywhere below T
 
-    def attend_tile(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def attend_tile(carry: tuple[jax.Array, Context], args: tuple[jax.Array, ...]):
+        last_seq, context = carry
         seq, start, valid = args
+        context = lax.cond(valid & (seq != last_seq),
+                           lambda: gather(seqs.block_tables[seq]), lambda: context)
         rows = start + jnp.arange(tile, dtype=jnp.int32)  # [tile] token index in q
-        row_ok = valid & (rows < query_start[seq] + run_lens[seq])
-        q_pos = context_lens[seq] - lens[seq] + rows - query_start[seq]  # [tile]
+        row_ok = valid & (rows < seqs.query_start[seq] + run_lens[seq])
+        q_pos = seqs.context_lens[seq] - seqs.lens[seq] + rows - seqs.query_start[seq]
         computed = lax.cond(
             valid, lambda: attend(lax.dynamic_slice_in_dim(q_padded, start, tile), q_pos,
-                                  row_ok, table=block_tables[seq]),
+                                  row_ok, context),
             lambda: jnp.zeros((tile, h, hd), q.dtype))
-        return computed, jnp.where(row_ok, rows, t)  # t: dropped by the scatter
+        return (seq, context), (computed, jnp.where(row_ok, rows, t))  # t: dropped
 
-    outs, targets = lax.map(attend_tile, (tile_seq, tile_start, tile_valid))  # [N, tile, H, hd]
+    empty = jax.tree.map(jnp.zeros_like, jax.eval_shape(gather, seqs.block_tables[0]))
+    _, (outs, targets) = lax.scan(attend_tile, (jnp.int32(-1), empty), tiles)
     return out.at[targets.reshape(-1)].set(outs.reshape(-1, h, hd), mode="drop")
 
 
@@ -249,33 +257,45 @@ def query_tiles(
     return seq, jnp.where(valid, start, 0), valid
 
 
-def _attend_tile(
-    q: jax.Array,  # [tile, H, hd]
-    q_pos: jax.Array,  # [tile] int32 query positions
-    row_ok: jax.Array,  # [tile] bool: the token belongs to the sequence
+def _gather_sequence(
+    table: jax.Array,  # [W] a sequence's block-table row
     *,
-    table: jax.Array,  # [W] the sequence's block-table row
     k_pool: jax.Array,  # [L, rows, KV, hd]
-    v_pool: jax.Array,  # [L, rows, KV, hd]
+    v_pool: jax.Array,
     layer: jax.Array,
     scales: tuple[jax.Array, jax.Array] | None,  # int8: k_scale, v_scale [L, rows, KV]
     block_size: int,
+) -> Context:
+    """The rows a sequence's table names: K, V [C, KV, hd] (C = W * block_size) and,
+    for int8 pools, their scales [C, KV]; None otherwise."""
+    rows = (table[:, None] * block_size + jnp.arange(block_size, dtype=jnp.int32)).reshape(-1)
+    k, v = k_pool[layer, rows], v_pool[layer, rows]
+    if scales is None:
+        return Context(k, v, None, None)
+    return Context(k, v, scales[0][layer, rows], scales[1][layer, rows])
+
+
+def _attend_context(
+    q: jax.Array,  # [tile, H, hd]
+    q_pos: jax.Array,  # [tile] int32 query positions
+    row_ok: jax.Array,  # [tile] bool: the token belongs to the sequence
+    context: Context,
+    *,
     scale: float,
     window: jax.Array | int,
     softcap: float | None,
 ) -> jax.Array:
-    """Masked softmax attention of one tile over its sequence's blocks -> [tile, H, hd]."""
+    """Masked softmax attention of one tile over its sequence's context -> [tile, H, hd]."""
     tile, h, hd = q.shape
-    kv_heads = k_pool.shape[2]
-    k, v = (gather_context(pool, layer, table[None], block_size)[0]
-            for pool in (k_pool, v_pool))  # [C, KV, hd]
+    k, v = context.k, context.v
+    kv_heads = k.shape[1]
     qg = q.reshape(tile, kv_heads, h // kv_heads, hd)
     scores = jnp.einsum("tkgd,ckd->kgtc", qg, k.astype(q.dtype),
                         preferred_element_type=jnp.float32)  # [KV, G, tile, C]
-    if scales is not None:
-        k_scale, v_scale = (gather_context(s, layer, table[None], block_size)[0]
-                            .astype(jnp.float32).T[:, None, None, :]
-                            for s in scales)  # [KV, 1, 1, C]
+    quantized = context.k_scale is not None
+    if quantized:
+        k_scale, v_scale = (s.astype(jnp.float32).T[:, None, None, :]
+                            for s in (context.k_scale, context.v_scale))  # [KV, 1, 1, C]
         scores = scores * k_scale
     scores = scores * scale
     if softcap is not None:
@@ -283,7 +303,7 @@ def _attend_tile(
     k_pos = jnp.arange(k.shape[0], dtype=jnp.int32)[None, :]
     mask = row_ok[:, None] & (k_pos <= q_pos[:, None]) & (q_pos[:, None] - k_pos < window)
     probs = _masked_softmax(scores, mask)  # [KV, G, tile, C]
-    if scales is not None:
+    if quantized:
         probs = jnp.where(mask, probs * v_scale, 0.0)
     v = jnp.where(mask.any(axis=0)[:, None, None], v.astype(q.dtype), 0)  # unread rows -> 0
     out = jnp.einsum("kgtc,ckd->tkgd", probs.astype(q.dtype), v)
