@@ -77,6 +77,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                        help="auto: the model dtype; int8: int8 K/V with one f32 scale per "
                        "token and head (about 4x the tokens of a float32 cache)")
+    group.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="split the model over this many devices (heads, MLP, vocabulary)")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", default=None)
     group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",

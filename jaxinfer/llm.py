@@ -47,7 +47,8 @@ class LLM:
         load; int4 in groups of `quant_group_size` inputs).
         `engine_settings` are EngineConfig fields (max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, kv_cache_memory, kv_cache_fraction, kv_cache_dtype,
-        enable_prefix_caching, enable_chunked_prefill, attention_impl), applied over
+        enable_prefix_caching, enable_chunked_prefill, attention_impl,
+        tensor_parallel_size), applied over
         `engine_config`."""
         self.model = loaded or load_model(model, dtype=dtype, load_format=load_format,
                                           quantization=quantization,

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 
 from jaxinfer.engine.config import CacheConfig
 from jaxinfer.errors import ConfigError
@@ -63,6 +64,15 @@ from jaxinfer.ops.attention import (
     get_attention_fn,
 )
 from jaxinfer.ops.types import AttentionMetadata
+from jaxinfer.parallel.attention import shard_by_heads
+from jaxinfer.parallel.mesh import make_mesh, model_shards
+from jaxinfer.parallel.shardings import (
+    check_tensor_parallel,
+    kv_pool_sharding,
+    place_params,
+    sharded_config,
+    vocab_state_sharding,
+)
 from jaxinfer.sampling import (
     MAX_LOGPROBS,
     SampleOutput,
@@ -79,9 +89,10 @@ PROMPT_LOGPROB_CHUNK = 128
 
 
 def kv_cache_budget(cache: CacheConfig, bytes_per_token: int) -> int:
-    """Bytes for the KV pool: `kv_cache_memory`, else a fraction of free device
-    memory where the device reports it (GPU/TPU), else (CPU) room for
-    `max_num_seqs` sequences of `max_model_len` tokens."""
+    """Bytes of KV pool per device (`bytes_per_token`: per device too):
+    `kv_cache_memory`, else a fraction of free device memory where the device
+    reports it (GPU/TPU), else (CPU) room for `max_num_seqs` sequences of
+    `max_model_len` tokens."""
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
     stats = jax.devices()[0].memory_stats() or {}
@@ -213,23 +224,46 @@ class ModelRunner:
     """Holds device state and runs the bucketed, jit-compiled flat step."""
 
     def __init__(self, config: ModelConfig, params: Params, cache: CacheConfig) -> None:
-        """`cache`: the view of an EngineConfig resolved for this model (`resolve`)."""
-        self.config = config
+        """`cache`: the view of an EngineConfig resolved for this model (`resolve`).
+
+        With tensor_parallel_size > 1 the params, the KV pool and the penalty state
+        are split over a mesh (jaxinfer/parallel); `self.config` is then the config
+        the split model runs (KV heads repeated up to the shard count when fewer).
+        """
         self.cache = cache
+        self.mesh = make_mesh(cache.tensor_parallel_size)
+        shards = model_shards(self.mesh)
+        check_tensor_parallel(config, shards)
+        self.config = sharded_config(config, shards)
         # First, so a platform without the chosen kernels fails before any allocation.
-        self._step = _jitted_step(config, cache.block_size, cache.attention_impl)
-        self.params = jax.tree.map(jnp.asarray, params)
+        self.attention_fn = mesh_attention_fn(cache.attention_impl, self.mesh)
+        self._step = _jitted_step(self.config, cache.block_size, cache.attention_impl, self.mesh)
+        self.params = place_params(params, config, self.mesh)
         self.dtype = compute_dtype(self.params)
-        self.bytes_per_token = kv_bytes_per_token(config, self.dtype, cache.kv_cache_dtype)
+        # per device: each holds 1 / shards of the KV heads
+        self.bytes_per_token = kv_bytes_per_token(
+            self.config, self.dtype, cache.kv_cache_dtype) // shards
         self.num_blocks = num_kv_blocks(cache, self.bytes_per_token)
-        self.kv: KVCache = init_kv_cache(config, self.num_blocks * cache.block_size, self.dtype,
-                                         cache.kv_cache_dtype)
-        slots = cache.max_num_seqs + 1
-        self.penalties = PenaltyState(
-            prompt_mask=jnp.zeros((slots, config.vocab_size), jnp.bool_),
-            output_counts=jnp.zeros((slots, config.vocab_size), jnp.int32),
-        )
+        self.kv: KVCache = self._init_kv()
+        self.penalties = self._init_penalties()
         self._record = _jitted_record()
+
+    def _init_kv(self) -> KVCache:
+        """The zeroed pools, made on their devices already split by KV head."""
+        make = partial(init_kv_cache, self.config, self.num_blocks * self.cache.block_size,
+                       self.dtype, self.cache.kv_cache_dtype)
+        shardings = jax.tree.map(lambda leaf: kv_pool_sharding(self.mesh, leaf.ndim),
+                                 jax.eval_shape(make))
+        return jax.jit(make, out_shardings=shardings)()
+
+    def _init_penalties(self) -> PenaltyState:
+        """Zeroed per-slot statistics [max_num_seqs + 1, V], split by vocabulary."""
+        shape = (self.cache.max_num_seqs + 1, self.config.vocab_size)
+        sharding = vocab_state_sharding(self.mesh, self.config.vocab_size)
+        make = jax.jit(lambda: PenaltyState(prompt_mask=jnp.zeros(shape, jnp.bool_),
+                                            output_counts=jnp.zeros(shape, jnp.int32)),
+                       out_shardings=PenaltyState(prompt_mask=sharding, output_counts=sharding))
+        return make()
 
     @property
     def kv_bytes(self) -> int:
@@ -361,11 +395,20 @@ class ModelRunner:
         return batch, arrays["query_start"]
 
 
+def mesh_attention_fn(attention_impl: str, mesh: Mesh) -> AttentionFn:
+    """The attention implementation, run per head shard when the model is split."""
+    attention_fn = get_attention_fn(attention_impl)
+    return attention_fn if model_shards(mesh) == 1 else shard_by_heads(attention_fn, mesh)
+
+
 @functools.cache
-def _jitted_step(config: ModelConfig, block_size: int, attention_impl: str) -> Any:
-    """One jitted step per (model config, block size, kernel): runners share compilations."""
+def _jitted_step(config: ModelConfig, block_size: int, attention_impl: str, mesh: Mesh) -> Any:
+    """One jitted step per (model config, block size, kernel, mesh): runners share
+    compilations."""
+    shards = model_shards(mesh)
     step = partial(_step, config=config, block_size=block_size,
-                   attention_fn=get_attention_fn(attention_impl))
+                   attention_fn=mesh_attention_fn(attention_impl, mesh),
+                   vocab_mesh=mesh if shards > 1 and config.vocab_size % shards == 0 else None)
     return jax.jit(
         step, static_argnames=("num_top_logprobs", "prompt_logprobs"),
         donate_argnames=("kv", "penalties"),
@@ -430,6 +473,7 @@ def _step(
     config: ModelConfig,
     block_size: int,
     attention_fn: AttentionFn,
+    vocab_mesh: Mesh | None,
     num_top_logprobs: int,
     prompt_logprobs: bool,
 ) -> tuple[StepOutput, KVCache, PenaltyState]:
@@ -438,7 +482,7 @@ def _step(
                          attention_fn=attention_fn)  # [T, d_model]
     logits = lm_head(params, config, hidden[batch.last_index])  # [S, V]
     prompt_mask, counts = _sequence_statistics(penalties, batch)  # [S, V]
-    sampled = sample(logits, sampling, prompt_mask, counts, num_top_logprobs)
+    sampled = sample(logits, sampling, prompt_mask, counts, num_top_logprobs, vocab_mesh)
     counts = update_output_counts(counts, sampled.tokens, batch.emit)
     penalties = PenaltyState(
         prompt_mask=penalties.prompt_mask.at[batch.slots].set(prompt_mask),

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.errors import ConfigError
 
@@ -334,22 +336,44 @@ def _random_tokens(penalized: jax.Array, arrays: SamplingArrays, greedy_rows: ja
     return jnp.where(greedy_rows, greedy_tokens, sampled)
 
 
-def _raw_logprobs(logits: jax.Array, tokens: jax.Array,
-                  k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _raw_logprobs(logits: jax.Array, tokens: jax.Array, k: int,
+                  vocab_mesh: Mesh | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probs under log_softmax(logits [B, V]): sampled [B], top ids and values [B, k]."""
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse  # [B]
     if k == 0:
         batch = logits.shape[0]
         return chosen, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.float32)
-    top_values, top_ids = lax.top_k(logits, k)  # [B, k], descending
+    top_values, top_ids = _top_k(logits, k, vocab_mesh)  # [B, k], descending
     return chosen, top_ids.astype(jnp.int32), top_values - lse[:, None]
 
 
+def _top_k(x: jax.Array, k: int, vocab_mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k of x [B, V]; with the vocabulary split over `vocab_mesh`'s 'model' axis,
+    each shard takes its own top k first (shard_map), then the k winners of those
+    shards x k: no shard gathers the others' logits."""
+    if vocab_mesh is None:
+        return lax.top_k(x, k)
+    width = x.shape[-1] // vocab_mesh.shape["model"]
+
+    def local_top_k(x_local: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, width]
+        values, ids = lax.top_k(x_local, k)
+        return values, ids + lax.axis_index("model") * width
+
+    split = P(None, "model")
+    values, ids = jax.shard_map(local_top_k, mesh=vocab_mesh, in_specs=split,
+                                out_specs=(split, split), check_vma=False)(x)  # [B, shards*k]
+    top_values, where = lax.top_k(values, k)  # [B, k]
+    return top_values, jnp.take_along_axis(ids, where, axis=-1)
+
+
 def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array,
-           output_counts: jax.Array, num_top_logprobs: int) -> SampleOutput:
+           output_counts: jax.Array, num_top_logprobs: int,
+           vocab_mesh: Mesh | None = None) -> SampleOutput:
     """Sample one token per row. logits [B, V] f32, prompt_mask [B, V] bool,
     output_counts [B, V] i32; num_top_logprobs is static (0 gives [B, 0] tops).
+    `vocab_mesh`: the logits are split by vocabulary over its 'model' axis (V a
+    multiple of it); every step here is then a per-shard reduction, never a gather.
 
     Jit with `jax.jit(sample, static_argnames="num_top_logprobs")`.
     """
@@ -359,7 +383,8 @@ def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array,
     greedy_tokens = _argmax(penalized)  # [B]
     tokens = lax.cond(jnp.all(greedy_rows), lambda *a: a[-1], _random_tokens,
                       penalized, arrays, greedy_rows, greedy_tokens)
-    chosen, top_ids, top_logprobs = _raw_logprobs(logits, tokens, num_top_logprobs)
+    chosen, top_ids, top_logprobs = _raw_logprobs(logits, tokens, num_top_logprobs,
+                                                  vocab_mesh)
     return SampleOutput(tokens, chosen, top_ids, top_logprobs)
 
 

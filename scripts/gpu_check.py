@@ -13,7 +13,9 @@ On an NVIDIA GPU:
 3. Runs `LLM.generate` with dummy Gemma 3 270M weights under both
    attention implementations (each step one flat ragged call) and reports
    decode tokens/s for each.
-On a TPU: steps 1 and 2 for the ragged Mosaic kernel.
+4. With more than one device: dummy Llama 3.2 1B weights on one device and
+   split over all of them (tensor parallel): tokens/s each, greedy agreement.
+On a TPU: steps 1 and 2 for the ragged Mosaic kernel, and 4.
 With --interpret (any machine): steps 1 and 2 for both ragged kernels under
 their interpreters, on batches a tenth the size; the timings then mean nothing.
 Everything is written to one JSON file (and printed).
@@ -134,6 +136,34 @@ def bench_dummy_model() -> dict:
     return result
 
 
+def bench_tensor_parallel() -> dict:
+    """Dummy Llama 3.2 1B shapes (bf16) on one device and split over every device (a
+    power of two, at most 8): tokens/s each, and how many greedy outputs agree."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.weights import load_model
+
+    shards = 1 << (min(jax.device_count(), 8).bit_length() - 1)
+    model = load_model("llama-3.2-1b", load_format="dummy", dtype="bfloat16")
+    prompts = [[1, *range(100, 300 + 7 * i)] for i in range(16)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    result: dict = {"tensor_parallel_size": shards}
+    outputs = {}
+    for size in (1, shards):
+        llm = LLM(loaded=model, max_model_len=1024, max_num_seqs=16, attention_impl="pallas",
+                  tensor_parallel_size=size)
+        llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)  # compile
+        start = time.perf_counter()
+        done = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        seconds = time.perf_counter() - start
+        result[f"tp{size}_output_tok_s"] = sum(len(o.token_ids) for o in done) / seconds
+        outputs[size] = [o.token_ids for o in done]
+        del llm
+    result["greedy_outputs_equal"] = sum(
+        a == b for a, b in zip(outputs[1], outputs[shards], strict=True))
+    result["outputs"] = len(prompts)
+    return result
+
+
 def ragged_steps(target: str, interpret: bool) -> list[tuple[str, Callable[[], object]]]:
     """Check and time the ragged kernel for `target` ("gpu" or "tpu")."""
     kernel = RAGGED_KERNELS[target]
@@ -150,10 +180,11 @@ def plan(platform: str, interpret: bool) -> list[tuple[str, Callable[[], object]
     """The steps for this machine: see the module docstring."""
     if interpret:
         return ragged_steps("gpu", True) + ragged_steps("tpu", True)
+    split = [("tensor_parallel", bench_tensor_parallel)] if jax.device_count() > 1 else []
     if platform == "tpu":
-        return ragged_steps("tpu", False)
+        return ragged_steps("tpu", False) + split
     if platform == "gpu":
-        return [*ragged_steps("gpu", False), ("dummy_model", bench_dummy_model)]
+        return [*ragged_steps("gpu", False), ("dummy_model", bench_dummy_model), *split]
     return []
 
 

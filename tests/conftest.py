@@ -24,6 +24,9 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from jaxinfer import LLM
 from jaxinfer.weights import LoadedModel, load_model
 
+# tests/mesh needs 8 devices: tests/test_mesh.py runs it in a process of its own.
+collect_ignore = [] if os.environ.get("JAXINFER_MESH_SUITE") else ["mesh"]
+
 DATA = Path(__file__).parent / "data"
 TINY = DATA / "tiny"
 REAL_MODEL_FIXTURES = frozenset({"gemma", "gemma_llm"})

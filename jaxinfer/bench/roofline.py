@@ -26,7 +26,7 @@ import numpy as np
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params
 from jaxinfer.model.transformer import KVCache, forward, init_kv_cache, lm_head
-from jaxinfer.ops.attention import AttentionFn, get_attention_fn
+from jaxinfer.ops.attention import AttentionFn
 from jaxinfer.ops.types import AttentionMetadata
 from jaxinfer.runner import ModelRunner, StepShape
 from jaxinfer.sampling import SampleOutput, SamplingArrays, make_sampling_arrays, sample
@@ -103,7 +103,7 @@ def step_lowering(
                              context_lens=_int32(s), block_tables=_int32(s, width),
                              num_seqs=_int32(1))
     step = jax.jit(partial(_sampled_step, config=config, block_size=cache.block_size,
-                           attention_fn=get_attention_fn(cache.attention_impl),
+                           attention_fn=runner.attention_fn,
                            unroll_layers=unroll_layers))
     penalties = (jax.ShapeDtypeStruct((s, config.vocab_size), np.bool_),
                  jax.ShapeDtypeStruct((s, config.vocab_size), np.int32))

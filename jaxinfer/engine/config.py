@@ -35,8 +35,9 @@ class CacheConfig:
     block_size: int
     attention_impl: str
     kv_cache_dtype: str
-    kv_cache_memory: int | None  # bytes; None: see `runner.kv_cache_budget`
+    kv_cache_memory: int | None  # bytes per device; None: see `runner.kv_cache_budget`
     kv_cache_fraction: float  # of free accelerator memory, when it is known
+    tensor_parallel_size: int  # devices the model is split over (mesh axis 'model')
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -60,12 +61,13 @@ class EngineConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len)
     block_size: int = 16  # tokens per KV block, a power of two
-    kv_cache_memory: int | None = None  # bytes; default: see `runner.kv_cache_budget`
+    kv_cache_memory: int | None = None  # bytes per device; default: `runner.kv_cache_budget`
     kv_cache_fraction: float = 0.9  # of free accelerator memory, without kv_cache_memory
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_impl: str = "xla"  # one of choices.ATTENTION_IMPLS
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 (per-token, per-head scales)
+    tensor_parallel_size: int = 1  # devices the model is split over (Megatron layout)
 
     def __post_init__(self) -> None:
         _check_int("max_model_len", self.max_model_len, 2, optional=True)
@@ -73,6 +75,7 @@ class EngineConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
         _check_int("block_size", self.block_size, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
         fraction = self.kv_cache_fraction
@@ -119,6 +122,7 @@ class EngineConfig:
             block_size=self.block_size, attention_impl=self.attention_impl,
             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory,
             kv_cache_fraction=self.kv_cache_fraction,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

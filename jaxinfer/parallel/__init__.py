@@ -1,0 +1,10 @@
+"""Scale-out: the device mesh and how the model and its KV cache are laid on it.
+
+The mesh has two axes, ('data', 'model'). Tensor parallelism shards the model
+over 'model' in the Megatron layout, written as GSPMD shardings of the params
+(`shardings.py`): attention by heads, the MLP by its hidden dimension, the
+embedding and LM head by vocabulary; XLA inserts the two all-reduces per layer
+that layout implies. Attention itself runs per shard under `shard_map`, so the
+Pallas kernels (custom calls GSPMD cannot split) see only their heads. The
+'data' axis is size 1 for now: data-parallel replicas are not built yet.
+"""
