@@ -79,6 +79,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        "token and head (about 4x the tokens of a float32 cache)")
     group.add_argument("--tensor-parallel-size", type=int, default=None,
                        help="split the model over this many devices (heads, MLP, vocabulary)")
+    group.add_argument("--data-parallel-size", type=int, default=None,
+                       help="replicas of the (split) model, each serving its own sequences "
+                       "with its own KV pool; max_num_seqs and budgets are per replica")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", default=None)
     group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",

@@ -126,8 +126,13 @@ def run_generate(args: argparse.Namespace) -> int:
 def _print_cache(info: dict[str, int | str]) -> None:
     print(f"[KV cache: {info['num_blocks']:,} blocks x {info['block_size']} tokens = "
           f"{info['max_cached_tokens']:,} tokens, {info['dtype']}, "
-          f"{info['bytes_per_token']:,} bytes/token, {info['bytes'] / 2**20:,.0f} MiB]",
-          file=sys.stderr)
+          f"{info['bytes_per_token']:,} bytes/token, {info['bytes'] / 2**20:,.0f} MiB"
+          f"{_per_device(info)}]", file=sys.stderr)
+
+
+def _per_device(info: dict[str, int | str]) -> str:
+    devices = int(info["devices"])
+    return f" per device on {devices} devices" if devices > 1 else ""
 
 
 def _as_json(output: object) -> dict[str, object]:

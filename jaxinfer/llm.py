@@ -48,7 +48,7 @@ class LLM:
         `engine_settings` are EngineConfig fields (max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, kv_cache_memory, kv_cache_fraction, kv_cache_dtype,
         enable_prefix_caching, enable_chunked_prefill, attention_impl,
-        tensor_parallel_size), applied over
+        tensor_parallel_size, data_parallel_size), applied over
         `engine_config`."""
         self.model = loaded or load_model(model, dtype=dtype, load_format=load_format,
                                           quantization=quantization,
@@ -76,7 +76,8 @@ class LLM:
         return self.engine.max_model_len
 
     def kv_cache_info(self) -> dict[str, int | str]:
-        """The KV pool's size and storage type (e.g. float32, int8), as reported at start-up."""
+        """The KV pool's size and storage type (e.g. float32, int8), as reported at start-up;
+        bytes are per device (`devices` of them hold the split pool)."""
         runner = self.engine.runner
         return {
             "dtype": str(runner.kv.k.dtype),
@@ -85,6 +86,7 @@ class LLM:
             "max_cached_tokens": runner.num_blocks * runner.cache.block_size,
             "bytes_per_token": runner.bytes_per_token,
             "bytes": runner.kv_bytes,
+            "devices": runner.num_devices,
         }
 
     def generate(

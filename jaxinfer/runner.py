@@ -65,6 +65,7 @@ from jaxinfer.ops.attention import (
 )
 from jaxinfer.ops.types import AttentionMetadata
 from jaxinfer.parallel.attention import shard_by_heads
+from jaxinfer.parallel.data import per_rank
 from jaxinfer.parallel.mesh import make_mesh, model_shards
 from jaxinfer.parallel.shardings import (
     check_tensor_parallel,
@@ -167,25 +168,36 @@ class PendingStep:
     """A dispatched step: the device computes while the host prepares the next call.
 
     Its small output (sampled tokens, log-probs) starts copying to the host at
-    once; `result()` waits for it: the step's single device -> host transfer.
-    `computed_tokens` is the padded token count T, the tokens the device
-    computes, padding included.
+    once; `results()` waits for it: the step's single device -> host transfer.
+    `computed_tokens` is the padded token count (T per rank), the tokens the
+    device computes, padding included.
     """
 
-    def __init__(self, output: StepOutput, query_start: np.ndarray, computed_tokens: int) -> None:
+    def __init__(self, output: StepOutput, query_starts: list[np.ndarray],
+                 computed_tokens: int) -> None:
         self._output = output
-        self._query_start = query_start
+        self._query_starts = query_starts  # per rank
         self.computed_tokens = computed_tokens
         for leaf in jax.tree.leaves(output):
             leaf.copy_to_host_async()
 
-    def result(self) -> StepResult:
+    def results(self) -> list[StepResult]:
+        """One result per data-parallel rank."""
         host = jax.device_get(self._output)
-        return StepResult(
-            tokens=host.sample.tokens, logprobs=host.sample.logprobs,
-            top_ids=host.sample.top_ids, top_logprobs=host.sample.top_logprobs,
-            prompt_logprobs=host.prompt_logprobs, query_start=self._query_start,
-        )
+        ranks = len(self._query_starts)
+        return [_rank_result(host, rank if ranks > 1 else None, starts)
+                for rank, starts in enumerate(self._query_starts)]
+
+
+def _rank_result(host: StepOutput, rank: int | None, query_start: np.ndarray) -> StepResult:
+    """Rank `rank`'s rows of a step's host output (None: the output has no rank axis)."""
+    if rank is not None:
+        host = jax.tree.map(lambda x: x[rank], host)
+    return StepResult(
+        tokens=host.sample.tokens, logprobs=host.sample.logprobs,
+        top_ids=host.sample.top_ids, top_logprobs=host.sample.top_logprobs,
+        prompt_logprobs=host.prompt_logprobs, query_start=query_start,
+    )
 
 
 @dataclass
@@ -231,7 +243,7 @@ class ModelRunner:
         the split model runs (KV heads repeated up to the shard count when fewer).
         """
         self.cache = cache
-        self.mesh = make_mesh(cache.tensor_parallel_size)
+        self.mesh = make_mesh(cache.tensor_parallel_size, cache.data_parallel_size)
         shards = model_shards(self.mesh)
         check_tensor_parallel(config, shards)
         self.config = sharded_config(config, shards)
@@ -249,16 +261,19 @@ class ModelRunner:
         self._record = _jitted_record()
 
     def _init_kv(self) -> KVCache:
-        """The zeroed pools, made on their devices already split by KV head."""
-        make = partial(init_kv_cache, self.config, self.num_blocks * self.cache.block_size,
-                       self.dtype, self.cache.kv_cache_dtype)
+        """The zeroed pools, made on their devices already split: by rank (each rank's
+        `num_blocks` blocks, numbered from 0 within it) and by KV head."""
+        rows = self.cache.data_parallel_size * self.num_blocks * self.cache.block_size
+        make = partial(init_kv_cache, self.config, rows, self.dtype, self.cache.kv_cache_dtype)
         shardings = jax.tree.map(lambda leaf: kv_pool_sharding(self.mesh, leaf.ndim),
                                  jax.eval_shape(make))
         return jax.jit(make, out_shardings=shardings)()
 
     def _init_penalties(self) -> PenaltyState:
-        """Zeroed per-slot statistics [max_num_seqs + 1, V], split by vocabulary."""
-        shape = (self.cache.max_num_seqs + 1, self.config.vocab_size)
+        """Zeroed per-slot statistics [ranks * (max_num_seqs + 1), V], split by rank
+        and vocabulary."""
+        shape = (self.cache.data_parallel_size * (self.cache.max_num_seqs + 1),
+                 self.config.vocab_size)
         sharding = vocab_state_sharding(self.mesh, self.config.vocab_size)
         make = jax.jit(lambda: PenaltyState(prompt_mask=jnp.zeros(shape, jnp.bool_),
                                             output_counts=jnp.zeros(shape, jnp.int32)),
@@ -267,36 +282,52 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv.nbytes
+        """Bytes of KV pool each device holds (the whole pool on one device)."""
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self.kv))
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.size
 
     @property
     def compile_count(self) -> int:
         """Distinct compiled variants of the step function so far."""
         return self._step._cache_size()
 
-    def step(self, queries: Sequence[SequenceQuery]) -> PendingStep:
-        """Run every query of an engine step in one device call; sample one token per
-        query from its last position (used where the query `emit`s).
+    def step(self, queries: Sequence[Sequence[SequenceQuery]]) -> PendingStep:
+        """Run every query of an engine step in one device call, one list of queries per
+        data-parallel rank (a rank may have none); sample one token per query from its
+        last position (used where the query `emit`s).
 
         A query may start after a prefix whose K/V are already in its blocks (an
         earlier chunk, or a prefix-cache hit).
         """
-        if not queries:
-            raise ValueError("a step needs at least one query")
-        lengths = [len(q.token_ids) for q in queries]
-        shape = self.step_shape(lengths, max(q.start + n for q, n in zip(queries, lengths,
-                                                                         strict=True)))
-        batch, query_start = self._batch(queries, shape)
-        params = [q.params for q in queries]
-        sampling = make_sampling_arrays(params, [q.seed for q in queries],
-                                        [q.step for q in queries], shape.seqs)
-        num_top = max((p.logprobs or 0) for p in params)
-        want_prompt = any(p.prompt_logprobs is not None for p in params)
+        ranks = self.cache.data_parallel_size
+        if len(queries) != ranks or not any(queries):
+            raise ValueError(f"a step needs {ranks} lists of queries, not all empty")
+        shape = self._common_shape(queries)
+        built = [self._batch(rank_queries, shape) for rank_queries in queries]
+        samplings = [make_sampling_arrays(
+            [q.params for q in rank_queries], [q.seed for q in rank_queries],
+            [q.step for q in rank_queries], shape.seqs) for rank_queries in queries]
+        every = [q.params for rank_queries in queries for q in rank_queries]
+        num_top = max((p.logprobs or 0) for p in every)
+        want_prompt = any(p.prompt_logprobs is not None for p in every)
         output, self.kv, self.penalties = self._step(
-            self.params, self.kv, self.penalties, batch, sampling,
-            num_top_logprobs=_bucket_logprobs(num_top), prompt_logprobs=want_prompt,
+            self.params, self.kv, self.penalties, _by_rank([b for b, _ in built], ranks),
+            _by_rank(samplings, ranks), num_top_logprobs=_bucket_logprobs(num_top),
+            prompt_logprobs=want_prompt,
         )
-        return PendingStep(output, query_start, computed_tokens=shape.tokens)
+        return PendingStep(output, [starts for _, starts in built],
+                           computed_tokens=shape.tokens * ranks)
+
+    def _common_shape(self, queries: Sequence[Sequence[SequenceQuery]]) -> StepShape:
+        """The smallest bucket that holds every rank's step."""
+        shapes = [self.step_shape([len(q.token_ids) for q in rank_queries],
+                                  max(q.start + len(q.token_ids) for q in rank_queries))
+                  for rank_queries in queries if rank_queries]
+        return StepShape(max(s.tokens for s in shapes), max(s.seqs for s in shapes),
+                         max(s.width for s in shapes))
 
     def step_shape(self, query_lens: Sequence[int], max_context: int) -> StepShape:
         """The bucketed shape of a step of sequences with `query_lens` query tokens."""
@@ -310,14 +341,16 @@ class ModelRunner:
         needed = math.ceil(max_context / self.cache.block_size)
         return min(next_power_of_two(needed, MIN_CONTEXT_BLOCKS), self.cache.max_blocks_per_seq)
 
-    def record_history(self, slot: int, token_ids: Sequence[int], prompt_len: int) -> None:
-        """Start `slot`'s penalty statistics from tokens whose K/V are already cached
-        (a prefix-cache hit): the step that follows starts after them."""
+    def record_history(self, rank: int, slot: int, token_ids: Sequence[int],
+                       prompt_len: int) -> None:
+        """Start rank `rank`'s `slot`'s penalty statistics from tokens whose K/V are
+        already cached (a prefix-cache hit): the step that follows starts after them."""
         size = next_power_of_two(len(token_ids), MIN_TOKEN_BUCKET)
         tokens = np.full((size,), self.config.vocab_size, np.int32)  # padding: dropped
         tokens[: len(token_ids)] = token_ids
         is_output = np.arange(size) >= prompt_len
-        self.penalties = self._record(self.penalties, np.int32(slot), tokens, is_output)
+        row = rank * (self.cache.max_num_seqs + 1) + slot  # each rank has its rows
+        self.penalties = self._record(self.penalties, np.int32(row), tokens, is_output)
 
     def warmup(self, max_batched_tokens: int) -> None:
         """Compile every step shape a scheduler within `max_batched_tokens` tokens can
@@ -350,11 +383,12 @@ class ModelRunner:
 
     def _warm(self, shape: StepShape) -> None:
         """Compile one shape with an all-padding call, plain sampling."""
+        ranks = self.cache.data_parallel_size
         batch, _ = self._batch([], shape)
         sampling = make_sampling_arrays([], [], [], shape.seqs)
         _, self.kv, self.penalties = self._step(
-            self.params, self.kv, self.penalties, batch, sampling,
-            num_top_logprobs=0, prompt_logprobs=False,
+            self.params, self.kv, self.penalties, _by_rank([batch] * ranks, ranks),
+            _by_rank([sampling] * ranks, ranks), num_top_logprobs=0, prompt_logprobs=False,
         )
 
     def _batch(
@@ -409,10 +443,19 @@ def _jitted_step(config: ModelConfig, block_size: int, attention_impl: str, mesh
     step = partial(_step, config=config, block_size=block_size,
                    attention_fn=mesh_attention_fn(attention_impl, mesh),
                    vocab_mesh=mesh if shards > 1 and config.vocab_size % shards == 0 else None)
+    if mesh.shape["data"] > 1:
+        step = per_rank(step, mesh)
     return jax.jit(
         step, static_argnames=("num_top_logprobs", "prompt_logprobs"),
         donate_argnames=("kv", "penalties"),
     )
+
+
+def _by_rank(per_rank_inputs: list[Any], ranks: int) -> Any:
+    """One rank's inputs as they are; several stacked on a leading rank axis."""
+    if ranks == 1:
+        return per_rank_inputs[0]
+    return jax.tree.map(lambda *xs: np.stack(xs), *per_rank_inputs)
 
 
 @functools.cache

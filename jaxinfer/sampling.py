@@ -42,6 +42,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.parallel.mesh import shard_map_over_model
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
@@ -361,8 +362,8 @@ def _top_k(x: jax.Array, k: int, vocab_mesh: Mesh | None) -> tuple[jax.Array, ja
         return values, ids + lax.axis_index("model") * width
 
     split = P(None, "model")
-    values, ids = jax.shard_map(local_top_k, mesh=vocab_mesh, in_specs=split,
-                                out_specs=(split, split), check_vma=False)(x)  # [B, shards*k]
+    values, ids = shard_map_over_model(local_top_k, vocab_mesh, split,
+                                       (split, split))(x)  # [B, shards * k]
     top_values, where = lax.top_k(values, k)  # [B, k]
     return top_values, jnp.take_along_axis(ids, where, axis=-1)
 

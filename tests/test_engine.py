@@ -233,7 +233,7 @@ def test_one_device_execution_per_step(llama, device_executions: list[int]) -> N
         engine.add_request(f"r{i}", prompt_token_ids=prompt, params=GREEDY)
     mixes = set()
     while engine.has_unfinished():
-        running = engine.scheduler.running
+        running = engine.schedulers[0].running
         decodes = any(not s.in_prefill for s in running)
         mixes.add((decodes, any(s.in_prefill for s in running)))
         before = device_executions[0]

@@ -90,9 +90,10 @@ def test_tpu_kernel_greedy_generation_matches_hf_on_short_prompts(gemma, referen
 
 def assert_greedy_matches_hf(llm: LLM, cases: list[dict], new_tokens: int) -> None:
     """Greedy ids and text of every case equal HF's, with sequences on scattered blocks."""
-    everything = llm.blocks.allocate(llm.blocks.num_blocks)  # free them back shuffled, so
+    blocks = llm.blocks.ranks[0]
+    everything = blocks.allocate(blocks.num_blocks)  # free them back shuffled, so
     for block in np.random.default_rng(1).permutation(everything):  # sequences get
-        llm.blocks.free([int(block)])  # scattered, non-contiguous blocks
+        blocks.free([int(block)])  # scattered, non-contiguous blocks
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=[c["prompt_ids"] for c in cases],
                            sampling_params=params)

@@ -3,9 +3,11 @@ abort of streams still open when the grace period ends."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from serve.server import ServerThread
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "tests" / "data" / "tiny" / "llama"
 LONG = {"max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
+ENDLESS = {"max_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
 READY = re.compile(r"listening on ([\d.]+:\d+), metrics on http://[\d.]+:(\d+)/metrics")
 
 
@@ -95,18 +98,29 @@ def test_sigterm_finishes_in_flight_streams_then_exits_0() -> None:
             proc.wait()
 
 
-def test_streams_open_past_the_grace_period_end_with_abort() -> None:
-    engine = LLMEngine(load_model(TINY), EngineConfig(max_model_len=128, max_num_seqs=8,
-                                                      block_size=16))
+def long_context_tiny(folder: Path) -> Path:
+    """The tiny Llama with a 4,096-position context (RoPE takes any position)."""
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_streams_open_past_the_grace_period_end_with_abort(tmp_path: Path) -> None:
+    # A stream far longer than the shutdown takes: the tiny model decodes a token in
+    # well under a millisecond, so 120 tokens could end before the abort lands.
+    model = load_model(long_context_tiny(tmp_path / "tiny"))
+    engine = LLMEngine(model, EngineConfig(max_model_len=4096, max_num_seqs=8, block_size=16))
     running = ServerThread(engine, ServerConfig(port=0, metrics_port=None)).start()
     with InferenceClient(running.address, timeout=60) as client:
-        call = client.generate(token_ids=[9, 8, 7], **LONG)
+        call = client.generate(token_ids=[9, 8, 7], **ENDLESS)
         first = next(call)
         stopper = threading.Thread(target=running.stop, kwargs={"grace": 0.0})
         stopper.start()
         result = collect([first, *call])
         stopper.join(timeout=30)
     (sample,) = result.samples
-    assert sample.finish_reason == "abort" and 0 < len(sample.token_ids) < LONG["max_tokens"]
+    assert sample.finish_reason == "abort" and 0 < len(sample.token_ids) < ENDLESS["max_tokens"]
     assert sample.usage.completion_tokens == len(sample.token_ids)
     assert engine.blocks.num_used == 0

@@ -58,7 +58,7 @@ def report_base(args: argparse.Namespace, model_name: str,
 def _engine_facts(bench: EngineBench) -> dict[str, Any]:
     llm = bench.llm()
     return {"max_model_len": llm.max_model_len, "block_size": llm.engine.config.block_size,
-            "max_num_batched_tokens": llm.engine.scheduler.config.max_num_batched_tokens,
+            "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
             "attention_impl": llm.engine.config.attention_impl,
             "dtype": str(llm.runner.dtype), "backend": _backend()}
 
@@ -109,7 +109,7 @@ def latency_roofline(bench: EngineBench, ours: dict[str, Any],
     from jaxinfer.bench.roofline import decode_shape, prefill_shape, roofline_line, step_cost
 
     llm = bench.llm()
-    budget = llm.engine.scheduler.config.max_num_batched_tokens
+    budget = llm.engine.config.max_num_batched_tokens
     lines = []
     for p in ours["prefill"]:
         shape, calls = prefill_shape(llm.runner, p["prompt_len"], budget)

@@ -17,6 +17,10 @@ Words, one meaning each (the code and its comments keep to them):
 - **step**: one engine iteration: one scheduling decision and its one device call
   over a flat batch of every scheduled sequence's query tokens.
 - **chunk**: the part of a prompt one step runs (chunked prefill: `PrefillChunk`).
+- **rank**: a data-parallel replica of the model, with its own scheduler, blocks
+  and slots; a sequence lives on one rank (`data_parallel_size` of them).
+- **shard**: a tensor-parallel part of the model on one device of a rank
+  (`tensor_parallel_size` of them).
 - **query**: the tokens a sequence runs in a step (a chunk, or its last sampled
   token when decoding), as the runner receives them: `SequenceQuery`; its
   **query length** is their count.

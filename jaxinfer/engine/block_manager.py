@@ -236,3 +236,33 @@ class BlockManager:
     def _check_owned(self, block: int) -> None:
         if not 0 <= block < self.num_blocks or self._refs[block] == 0:
             raise ValueError(f"block {block} is not allocated")
+
+
+class BlockPools:
+    """The block managers of every data-parallel rank (each its own KV pool, block
+    ids from 0), with their counters summed."""
+
+    def __init__(self, ranks: list[BlockManager]) -> None:
+        self.ranks = ranks
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(r.num_blocks for r in self.ranks)
+
+    @property
+    def num_free(self) -> int:
+        return sum(r.num_free for r in self.ranks)
+
+    @property
+    def num_used(self) -> int:
+        return sum(r.num_used for r in self.ranks)
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(r.hit_tokens for r in self.ranks)
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens served from the caches over prompt tokens queried, all ranks."""
+        queried = sum(r.queried_tokens for r in self.ranks)
+        return self.hit_tokens / queried if queried else 0.0

@@ -38,6 +38,7 @@ class CacheConfig:
     kv_cache_memory: int | None  # bytes per device; None: see `runner.kv_cache_budget`
     kv_cache_fraction: float  # of free accelerator memory, when it is known
     tensor_parallel_size: int  # devices the model is split over (mesh axis 'model')
+    data_parallel_size: int  # replicas, each with its own KV pool (mesh axis 'data')
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -68,6 +69,7 @@ class EngineConfig:
     attention_impl: str = "xla"  # one of choices.ATTENTION_IMPLS
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 (per-token, per-head scales)
     tensor_parallel_size: int = 1  # devices the model is split over (Megatron layout)
+    data_parallel_size: int = 1  # model replicas; batch sizes and budgets are per replica
 
     def __post_init__(self) -> None:
         _check_int("max_model_len", self.max_model_len, 2, optional=True)
@@ -76,6 +78,7 @@ class EngineConfig:
         _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
         _check_int("block_size", self.block_size, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
         fraction = self.kv_cache_fraction
@@ -123,6 +126,7 @@ class EngineConfig:
             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory,
             kv_cache_fraction=self.kv_cache_fraction,
             tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.block_manager import BlockManager, BlockPools
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.scheduler import PrefillChunk, Scheduler, SequenceState
@@ -49,6 +49,7 @@ class _Sample:
     request: _Request
     seed: int
     detokenizer: IncrementalDetokenizer | None
+    rank: int  # the data-parallel rank whose scheduler and KV pool hold the sequence
     raw_text: str = ""
     stop_scan_from: int = 0
     stopped_by_string: bool = False
@@ -74,9 +75,13 @@ class LLMEngine:
         self.model = model
         self.config = config = (config or EngineConfig()).resolve(model.config.max_position)
         self.runner = ModelRunner(model.config, model.params, config.cache_config())
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
-                                   enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
+        self.blocks = BlockPools([
+            BlockManager(self.runner.num_blocks, config.block_size,
+                         enable_prefix_caching=config.enable_prefix_caching)
+            for _ in range(config.data_parallel_size)])
+        # one scheduler per data-parallel rank, over that rank's blocks
+        self.schedulers = [Scheduler(config.scheduler_config(), blocks)
+                           for blocks in self.blocks.ranks]
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._samples: dict[int, _Sample] = {}  # by scheduler seq_id
@@ -109,11 +114,11 @@ class LLMEngine:
         with self._lock:
             if request_id in self._requests:
                 raise RequestError(f"request_id {request_id!r} is already in use")
-            request = self._new_request(request_id, prompt, ids, params)
+            request = self._new_request(request_id, prompt, ids, params, self._pick_rank())
             self._requests[request_id] = request
             for sample in request.samples:
                 self._samples[sample.seq.seq_id] = sample
-                self.scheduler.add(sample.seq)
+                self.schedulers[sample.rank].add(sample.seq)
         return request.output
 
     def abort(self, request_id: str) -> None:
@@ -123,27 +128,31 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._pending_aborts)
+            return any(s.has_unfinished() for s in self.schedulers) or bool(
+                self._pending_aborts)
 
     def step(self) -> list[StreamDelta]:
         """Run one scheduling iteration and return what it produced."""
         with self._lock:
             deltas = self._apply_aborts()
-            plan = self.scheduler.schedule()
+            plans = [scheduler.schedule() for scheduler in self.schedulers]  # one per rank
         start = time.perf_counter()
-        self._mark_scheduled(plan.prefills, start)
+        for plan in plans:
+            self._mark_scheduled(plan.prefills, start)
         calls, computed = 0, 0
-        if not plan.empty:
-            calls = self._record_prefix_histories(plan.prefills)
-            queries = ([self._decode_query(seq) for seq in plan.decodes]
-                       + [self._prefill_query(chunk) for chunk in plan.prefills])
-            pending = self.runner.step(queries)
-            result = pending.result()
-            deltas += self._accept_decodes(plan.decodes, result)
-            deltas += self._accept_prefills(plan.prefills, result, first_row=len(plan.decodes))
+        if not all(plan.empty for plan in plans):
+            calls = sum(self._record_prefix_histories(plan.prefills) for plan in plans)
+            pending = self.runner.step([
+                [self._decode_query(seq) for seq in plan.decodes]
+                + [self._prefill_query(chunk) for chunk in plan.prefills] for plan in plans])
+            for plan, result in zip(plans, pending.results(), strict=True):
+                deltas += self._accept_decodes(plan.decodes, result)
+                deltas += self._accept_prefills(plan.prefills, result,
+                                                first_row=len(plan.decodes))
             calls, computed = calls + 1, pending.computed_tokens
         self.stats.record_step(
-            num_tokens=plan.num_tokens, num_preempted=len(plan.preempted),
+            num_tokens=sum(plan.num_tokens for plan in plans),
+            num_preempted=sum(len(plan.preempted) for plan in plans),
             seconds=time.perf_counter() - start, device_calls=calls, computed_tokens=computed,
         )
         return deltas
@@ -160,7 +169,7 @@ class LLMEngine:
 
     def warmup(self) -> int:
         """Compile every step shape the engine can use; returns the compile count."""
-        self.runner.warmup(self.scheduler.config.max_num_batched_tokens)
+        self.runner.warmup(self.schedulers[0].config.max_num_batched_tokens)
         return self.runner.compile_count
 
     # ----------------------------------------------------------------- requests
@@ -201,8 +210,10 @@ class LLMEngine:
             )
 
     def _new_request(
-        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
+        rank: int,
     ) -> _Request:
+        """The request's samples, all on data-parallel rank `rank` (they share prompt blocks)."""
         metrics = RequestMetrics(arrival_time=time.perf_counter(), prompt_tokens=len(ids))
         output = RequestOutput(request_id, prompt, ids, [], metrics=metrics)
         stop_ids = set(params.stop_token_ids)
@@ -220,9 +231,19 @@ class LLMEngine:
             output.outputs.append(completion)
             request.samples.append(_Sample(
                 seq, completion, request, (base_seed + index) % (1 << 63),
-                self._detokenizer(ids, params),
+                self._detokenizer(ids, params), rank,
             ))
         return request
+
+    def _pick_rank(self) -> int:
+        """The data-parallel rank a new request joins: the one with the fewest unfinished
+        sequences, then the most free KV blocks."""
+        def load(rank: int) -> tuple[int, int]:
+            scheduler = self.schedulers[rank]
+            return (len(scheduler.waiting) + len(scheduler.running),
+                    -scheduler.blocks.num_free)
+
+        return min(range(len(self.schedulers)), key=load)
 
     def _detokenizer(
         self, ids: list[int], params: SamplingParams
@@ -246,7 +267,7 @@ class LLMEngine:
             live = [s for s in request.samples if s.output.finish_reason is None]
             for sample in live:
                 sample.output.finish_reason = "abort"
-                self.scheduler.finish(sample.seq)
+                self.schedulers[sample.rank].finish(sample.seq)
                 deltas.append(self._delta(sample, [], "", None))
             if live:
                 self._finish_metrics(request)
@@ -269,8 +290,8 @@ class LLMEngine:
         for chunk in chunks:
             if self._history_recorded(chunk):
                 seq = chunk.seq
-                self.runner.record_history(seq.slot, seq.tokens(0, chunk.start),
-                                           len(seq.prompt_ids))
+                self.runner.record_history(self._samples[seq.seq_id].rank, seq.slot,
+                                           seq.tokens(0, chunk.start), len(seq.prompt_ids))
                 calls += 1
         return calls
 
@@ -285,7 +306,7 @@ class LLMEngine:
         for row, chunk in enumerate(chunks, start=first_row):
             sample = self._samples[chunk.seq.seq_id]
             self._record_prompt_logprobs(sample, chunk, result.prompt_scores(row))
-            self.scheduler.on_computed(chunk.seq, chunk.num_tokens)
+            self.schedulers[sample.rank].on_computed(chunk.seq, chunk.num_tokens)
             if chunk.completes:
                 deltas += self._accept(sample, result, row)
         return deltas
@@ -295,8 +316,9 @@ class LLMEngine:
     ) -> list[StreamDelta]:
         deltas = []
         for i, seq in enumerate(seqs):
-            self.scheduler.on_computed(seq, 1)
-            deltas += self._accept(self._samples[seq.seq_id], result, i)
+            sample = self._samples[seq.seq_id]
+            self.schedulers[sample.rank].on_computed(seq, 1)
+            deltas += self._accept(sample, result, i)
         return deltas
 
     def _prefill_query(self, chunk: PrefillChunk) -> SequenceQuery:
@@ -384,7 +406,7 @@ class LLMEngine:
         if not sample.stopped_by_string and sample.detokenizer is not None:
             sample.raw_text += sample.detokenizer.flush()
             sample.output.text = sample.raw_text
-        self.scheduler.finish(sample.seq)
+        self.schedulers[sample.rank].finish(sample.seq)
         if sample.request.output.finished:
             self._finish_metrics(sample.request)
 
@@ -426,13 +448,13 @@ class LLMEngine:
         """Engine gauges now: queues, KV blocks, prefix cache, preemptions, compiles."""
         with self._lock:
             return {
-                "waiting": len(self.scheduler.waiting),
-                "running": len(self.scheduler.running),
+                "waiting": sum(len(s.waiting) for s in self.schedulers),
+                "running": sum(len(s.running) for s in self.schedulers),
                 "kv_blocks_used": self.blocks.num_used,
                 "kv_blocks_free": self.blocks.num_free,
                 "kv_blocks_total": self.blocks.num_blocks,
                 "prefix_cache_hit_rate": self.blocks.hit_rate,
-                "preemptions": self.scheduler.num_preemptions,
+                "preemptions": sum(s.num_preemptions for s in self.schedulers),
                 "compiles": self.runner.compile_count,
                 "steps": self.stats.steps,
             }

@@ -5,6 +5,9 @@ over 'model' in the Megatron layout, written as GSPMD shardings of the params
 (`shardings.py`): attention by heads, the MLP by its hidden dimension, the
 embedding and LM head by vocabulary; XLA inserts the two all-reduces per layer
 that layout implies. Attention itself runs per shard under `shard_map`, so the
-Pallas kernels (custom calls GSPMD cannot split) see only their heads. The
-'data' axis is size 1 for now: data-parallel replicas are not built yet.
+Pallas kernels (custom calls GSPMD cannot split) see only their heads.
+
+Data parallelism replicates the (split) model over 'data' (`data.py`): each
+rank serves its own sequences from its own slice of the KV pool, and one
+jitted step runs every rank under `shard_map` (manual over 'data' only).
 """

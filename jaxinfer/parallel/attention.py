@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.ops.attention import AttentionFn
 from jaxinfer.ops.types import AttentionMetadata
+from jaxinfer.parallel.mesh import shard_map_over_model
 
 HEADS = P(None, "model", None)  # q and the output [T, H, hd]
 POOL = P(None, None, "model", None)  # K/V pools [L, rows, KV, hd]
@@ -40,8 +41,7 @@ def shard_by_heads(attention_fn: AttentionFn, mesh: Mesh) -> AttentionFn:
                                 k_scale=k_s, v_scale=v_s, **options)
 
         specs = (HEADS, POOL, POOL, P(), P(), P(), *[POOL_SCALES] * len(scales))
-        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=HEADS,
-                             check_vma=False)(
+        return shard_map_over_model(local, mesh, specs, HEADS)(
             q, k_pool, v_pool, layer, meta, jnp.asarray(window, jnp.int32), *scales)
 
     return sharded

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, get_abstract_mesh
 
 from jaxinfer.errors import ConfigError
 
@@ -31,3 +34,17 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1) -> Mesh:
 def model_shards(mesh: Mesh) -> int:
     """How many ways the model is split (the 'model' axis size)."""
     return mesh.shape["model"]
+
+
+def shard_map_over_model(f: Callable[..., Any], mesh: Mesh, in_specs: Any,
+                         out_specs: Any) -> Callable[..., Any]:
+    """`f` per 'model' shard, with every mesh axis manual (the TPU interpreter's
+    callbacks need that): at top level all of them ('data' replicated by the specs),
+    inside a data-parallel rank's shard_map, where 'data' is manual already, 'model'
+    of the traced context mesh."""
+    current = get_abstract_mesh()
+    if current.empty:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+    return jax.shard_map(f, mesh=current, in_specs=in_specs, out_specs=out_specs,
+                         axis_names={"model"}, check_vma=False)

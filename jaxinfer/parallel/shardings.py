@@ -42,6 +42,7 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 BIASES = ("q_bias", "k_bias", "v_bias")
 MODEL = "model"
+DATA = "data"
 
 
 def check_tensor_parallel(config: ModelConfig, shards: int) -> None:
@@ -177,14 +178,16 @@ def place_params(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
 
 
 def kv_pool_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """A K/V pool [L, rows, KV, hd] (or its scales [L, rows, KV]) split by KV head."""
+    """A K/V pool [L, rows, KV, hd] (or its scales [L, rows, KV]): rows by data rank,
+    KV heads over 'model'."""
     spec = [None] * ndim
-    spec[2] = MODEL
+    spec[1], spec[2] = DATA, MODEL
     return NamedSharding(mesh, P(*spec))
 
 
 def vocab_state_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
-    """Per-slot vocabulary state [slots, V] (penalty statistics) split like the logits."""
+    """Per-slot vocabulary state [ranks * slots, V] (penalty statistics): rows by data
+    rank, vocabulary like the logits."""
     if vocab_size % model_shards(mesh):
-        return NamedSharding(mesh, P())
-    return NamedSharding(mesh, P(None, MODEL))
+        return NamedSharding(mesh, P(DATA, None))
+    return NamedSharding(mesh, P(DATA, MODEL))
