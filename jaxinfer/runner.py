@@ -241,6 +241,8 @@ class ModelRunner:
         With tensor_parallel_size > 1 the params, the KV pool and the penalty state
         are split over a mesh (jaxinfer/parallel); `self.config` is then the config
         the split model runs (KV heads repeated up to the shard count when fewer).
+        With data_parallel_size > 1 each rank has its own `num_blocks` blocks and
+        penalty rows, and `step` takes one list of queries per rank.
         """
         self.cache = cache
         self.mesh = make_mesh(cache.tensor_parallel_size, cache.data_parallel_size)

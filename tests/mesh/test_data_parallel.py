@@ -56,7 +56,9 @@ def test_each_rank_holds_its_own_pool_and_takes_a_share(llama) -> None:
     assert [len(s.waiting) for s in llm.engine.schedulers] == [2, 2]
     while llm.engine.has_unfinished():
         llm.engine.step()
-    assert all(blocks.hit_tokens >= 0 for blocks in llm.blocks.ranks)
+    lengths = [len(p) for p in PROMPTS[:4]]  # each rank's block manager saw its two prompts
+    assert [r.queried_tokens for r in llm.blocks.ranks] == [lengths[0] + lengths[2],
+                                                            lengths[1] + lengths[3]]
 
 
 def test_sampling_penalties_and_prefix_hits_per_rank(llama) -> None:
