@@ -24,8 +24,11 @@ from jaxinfer.choices import (
     QUANTIZATIONS,
 )
 from jaxinfer.engine.config import EngineConfig, list_engine_presets, load_engine_preset
+from jaxinfer.parallel.multihost import DEFAULT_WORKER_TIMEOUT, DistributedConfig
 
 if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
     from jaxinfer.weights import LoadedModel
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
@@ -88,6 +91,31 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        action="store_false", default=None)
 
 
+def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "multi-host", "one process per host, the same command on each; process 0 serves, "
+        "the others follow its steps")
+    group.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                       help="process 0's host and a free port for JAX's coordinator "
+                       "(the step broadcast uses PORT + 1)")
+    group.add_argument("--num-processes", type=int, default=None,
+                       help="processes in the job (one per host)")
+    group.add_argument("--process-id", type=int, default=None,
+                       help="this process's index, 0 = the one that serves")
+    group.add_argument("--distributed", action="store_true",
+                       help="join a multi-host job whose settings JAX detects "
+                       "(Cloud TPU slices, SLURM)")
+    group.add_argument("--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT,
+                       help="seconds without a heartbeat before process 0 counts a follower "
+                       f"as lost and turns NOT_SERVING (default {DEFAULT_WORKER_TIMEOUT:g})")
+
+
+def distributed_config_from_args(args: argparse.Namespace) -> DistributedConfig:
+    return DistributedConfig(
+        coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+        process_id=args.process_id, auto=args.distributed, worker_timeout=args.worker_timeout)
+
+
 def add_compilation_cache_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                         help="persistent XLA compilation cache (default: "
@@ -105,10 +133,20 @@ def load_from_args(args: argparse.Namespace, source: str | None = None,
     """load_model with the model flags (`source`/`quantization` override them)."""
     from jaxinfer.weights import load_model
 
-    return load_model(source or args.model, dtype=args.dtype,
-                      load_format=getattr(args, "load_format", "auto"),
+    load_format = getattr(args, "load_format", "auto")
+    return load_model(source or args.model, dtype=args.dtype, load_format=load_format,
                       quantization=quantization or args.quantization,
-                      quant_group_size=args.quant_group_size)
+                      quant_group_size=args.quant_group_size,
+                      mesh=_dummy_mesh(args) if load_format == "dummy" else None)
+
+
+def _dummy_mesh(args: argparse.Namespace) -> Mesh | None:
+    """The engine's mesh, for random weights made already split; None on one device."""
+    from jaxinfer.parallel.mesh import make_mesh
+
+    tensor = getattr(args, "tensor_parallel_size", None) or 1
+    data = getattr(args, "data_parallel_size", None) or 1
+    return make_mesh(tensor, data) if tensor > 1 else None
 
 
 def engine_config_from_args(args: argparse.Namespace, **defaults: object) -> EngineConfig:

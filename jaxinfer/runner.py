@@ -31,6 +31,12 @@ caller (the host loop and its block allocator) owns the block tables; the
 runner turns them into the KV write rows (where each new token's K/V is
 written) and the padded block-table array the attention reads through.
 Slots only index the per-sequence penalty state.
+
+Several hosts (jaxinfer/parallel/multihost.py): every process holds a runner
+built the same way. The leader's runner sends each device call's host inputs
+to the others (`broadcast`) before making it; a follower's runner makes the
+same calls from `follow`, so every process runs the same program in the same
+order. The step's outputs are then replicated, readable on the leader.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.engine.config import CacheConfig
 from jaxinfer.errors import ConfigError
@@ -67,6 +74,12 @@ from jaxinfer.ops.types import AttentionMetadata
 from jaxinfer.parallel.attention import shard_by_heads
 from jaxinfer.parallel.data import per_rank
 from jaxinfer.parallel.mesh import make_mesh, model_shards
+from jaxinfer.parallel.multihost import (
+    Message,
+    StepBroadcast,
+    StepFollower,
+    agree_on_minimum,
+)
 from jaxinfer.parallel.shardings import (
     check_tensor_parallel,
     kv_pool_sharding,
@@ -96,7 +109,7 @@ def kv_cache_budget(cache: CacheConfig, bytes_per_token: int) -> int:
     `max_model_len` tokens."""
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return int(free * cache.kv_cache_fraction)
@@ -104,8 +117,9 @@ def kv_cache_budget(cache: CacheConfig, bytes_per_token: int) -> int:
 
 
 def num_kv_blocks(cache: CacheConfig, bytes_per_token: int) -> int:
-    """Blocks that fit the budget; a clear error when one full sequence does not fit."""
-    budget = kv_cache_budget(cache, bytes_per_token)
+    """Blocks that fit the budget (on every host: the fewest any process has room for);
+    a clear error when one full sequence does not fit."""
+    budget = agree_on_minimum(kv_cache_budget(cache, bytes_per_token))
     blocks = budget // (bytes_per_token * cache.block_size)
     if blocks < cache.max_blocks_per_seq:
         raise ConfigError(
@@ -235,8 +249,10 @@ def next_power_of_two(n: int, minimum: int) -> int:
 class ModelRunner:
     """Holds device state and runs the bucketed, jit-compiled flat step."""
 
-    def __init__(self, config: ModelConfig, params: Params, cache: CacheConfig) -> None:
+    def __init__(self, config: ModelConfig, params: Params, cache: CacheConfig,
+                 broadcast: StepBroadcast | None = None) -> None:
         """`cache`: the view of an EngineConfig resolved for this model (`resolve`).
+        `broadcast`: on the leader of several processes, where each call is sent first.
 
         With tensor_parallel_size > 1 the params, the KV pool and the penalty state
         are split over a mesh (jaxinfer/parallel); `self.config` is then the config
@@ -245,6 +261,7 @@ class ModelRunner:
         penalty rows, and `step` takes one list of queries per rank.
         """
         self.cache = cache
+        self.broadcast = broadcast
         self.mesh = make_mesh(cache.tensor_parallel_size, cache.data_parallel_size)
         shards = model_shards(self.mesh)
         check_tensor_parallel(config, shards)
@@ -315,11 +332,9 @@ class ModelRunner:
         every = [q.params for rank_queries in queries for q in rank_queries]
         num_top = max((p.logprobs or 0) for p in every)
         want_prompt = any(p.prompt_logprobs is not None for p in every)
-        output, self.kv, self.penalties = self._step(
-            self.params, self.kv, self.penalties, _by_rank([b for b, _ in built], ranks),
-            _by_rank(samplings, ranks), num_top_logprobs=_bucket_logprobs(num_top),
-            prompt_logprobs=want_prompt,
-        )
+        output = self._run_step(_by_rank([b for b, _ in built], ranks), _by_rank(samplings, ranks),
+                                num_top_logprobs=_bucket_logprobs(num_top),
+                                prompt_logprobs=want_prompt)
         return PendingStep(output, [starts for _, starts in built],
                            computed_tokens=shape.tokens * ranks)
 
@@ -352,7 +367,7 @@ class ModelRunner:
         tokens[: len(token_ids)] = token_ids
         is_output = np.arange(size) >= prompt_len
         row = rank * (self.cache.max_num_seqs + 1) + slot  # each rank has its rows
-        self.penalties = self._record(self.penalties, np.int32(row), tokens, is_output)
+        self._run_record(np.int32(row), tokens, is_output)
 
     def warmup(self, max_batched_tokens: int) -> None:
         """Compile every step shape a scheduler within `max_batched_tokens` tokens can
@@ -388,10 +403,50 @@ class ModelRunner:
         ranks = self.cache.data_parallel_size
         batch, _ = self._batch([], shape)
         sampling = make_sampling_arrays([], [], [], shape.seqs)
-        _, self.kv, self.penalties = self._step(
-            self.params, self.kv, self.penalties, _by_rank([batch] * ranks, ranks),
-            _by_rank([sampling] * ranks, ranks), num_top_logprobs=0, prompt_logprobs=False,
-        )
+        self._run_step(_by_rank([batch] * ranks, ranks), _by_rank([sampling] * ranks, ranks),
+                       num_top_logprobs=0, prompt_logprobs=False)
+
+    # ------------------------------------------------------------ device calls
+
+    def _run_step(self, batch: StepBatch, sampling: SamplingArrays, *, num_top_logprobs: int,
+                  prompt_logprobs: bool) -> StepOutput:
+        """The jitted step over host inputs (sent to the followers first)."""
+        statics = {"num_top_logprobs": num_top_logprobs, "prompt_logprobs": prompt_logprobs}
+        self._mirror(Message("step", statics, jax.tree.leaves((batch, sampling))))
+        output, self.kv, self.penalties = self._step(
+            self.params, self.kv, self.penalties, batch, sampling, **statics)
+        return output
+
+    def _run_record(self, row: np.ndarray, tokens: np.ndarray, is_output: np.ndarray) -> None:
+        self._mirror(Message("record", arrays=(row, tokens, is_output)))
+        self.penalties = self._record(self.penalties, row, tokens, is_output)
+
+    def _mirror(self, message: Message) -> None:
+        if self.broadcast is not None:
+            self.broadcast.send(message)
+
+    def follow(self, follower: StepFollower) -> int:
+        """On a follower process: make every call the leader sends, until it says stop;
+        returns the number of calls made."""
+        step_tree = jax.tree.structure(self._step_inputs_template())
+        calls = 0
+        for message in follower.messages():
+            if message.kind == "step":
+                batch, sampling = jax.tree.unflatten(step_tree, message.arrays)
+                self._run_step(batch, sampling, **message.statics)
+            elif message.kind == "record":
+                self._run_record(*message.arrays)
+            else:
+                raise ValueError(f"unknown call from the leader: {message.kind!r}")
+            calls += 1
+        return calls
+
+    def _step_inputs_template(self) -> tuple[StepBatch, SamplingArrays]:
+        """A (batch, sampling) pair: the structure every step's inputs share."""
+        ranks = self.cache.data_parallel_size
+        batch, _ = self._batch([], StepShape(1, 1, 1))
+        sampling = make_sampling_arrays([], [], [], 1)
+        return _by_rank([batch] * ranks, ranks), _by_rank([sampling] * ranks, ranks)
 
     def _batch(
         self, queries: Sequence[SequenceQuery], shape: StepShape
@@ -447,10 +502,24 @@ def _jitted_step(config: ModelConfig, block_size: int, attention_impl: str, mesh
                    vocab_mesh=mesh if shards > 1 and config.vocab_size % shards == 0 else None)
     if mesh.shape["data"] > 1:
         step = per_rank(step, mesh)
+    if jax.process_count() > 1:
+        step = _replicated_output(step, mesh)
     return jax.jit(
         step, static_argnames=("num_top_logprobs", "prompt_logprobs"),
         donate_argnames=("kv", "penalties"),
     )
+
+
+def _replicated_output(step: Any, mesh: Mesh) -> Any:
+    """`step` with its (small) output on every device, so that process 0 can read rows
+    that other processes' devices computed."""
+    everywhere = NamedSharding(mesh, P())
+
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        output, kv, penalties = step(*args, **kwargs)
+        return jax.lax.with_sharding_constraint(output, everywhere), kv, penalties
+
+    return stepped
 
 
 def _by_rank(per_rank_inputs: list[Any], ranks: int) -> Any:

@@ -15,19 +15,25 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jaxinfer import cli
 from jaxinfer.args import (
     Command,
     add_compilation_cache_flag,
+    add_distributed_flags,
     add_engine_flags,
     add_model_flags,
+    distributed_config_from_args,
     enable_compilation_cache,
     engine_config_from_args,
     load_from_args,
 )
 from jaxinfer.bench.cli import BENCH_MODES, BenchMode, Report, add_workload_flags, bench_command
 from serve.client import DEFAULT_SERVER, add_sampling_flags
+
+if TYPE_CHECKING:
+    from jaxinfer.parallel.multihost import Process, StepBroadcast
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,6 +60,7 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", action="store_true",
                         help="compile every step shape before serving (slow on CPU)")
     add_engine_flags(parser)
+    add_distributed_flags(parser)
     add_compilation_cache_flag(parser)
     parser.set_defaults(handler=run_serve)
 
@@ -76,12 +83,41 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting, retry_after_ms=args.retry_after_ms,
         shutdown_grace=args.shutdown_grace,
     )
+    process = _join_job(args)
     enable_compilation_cache(args)
     loaded = load_from_args(args)
-    engine = LLMEngine(loaded, engine_config_from_args(args))
-    if args.warmup:
-        print(f"[warmup: {engine.warmup()} compiled step shapes]", file=sys.stderr)
-    return run(engine, config)
+    engine_config = engine_config_from_args(args)
+    if process is not None and not process.is_leader:
+        from jaxinfer.engine.follower import run_follower
+
+        return run_follower(loaded, engine_config, process, args.worker_timeout)
+    broadcast = _step_broadcast(process, args.worker_timeout)
+    try:
+        engine = LLMEngine(loaded, engine_config, step_broadcast=broadcast)
+        if args.warmup:
+            print(f"[warmup: {engine.warmup()} compiled step shapes]", file=sys.stderr)
+        return run(engine, config)
+    finally:
+        if broadcast is not None:
+            broadcast.close()
+
+
+def _join_job(args: argparse.Namespace) -> Process | None:
+    """This process's place in a multi-host job, joined before any device is touched;
+    None when the flags ask for none."""
+    from jaxinfer.parallel.multihost import initialize
+
+    distributed = distributed_config_from_args(args)
+    return initialize(distributed) if distributed.enabled else None
+
+
+def _step_broadcast(process: Process | None, worker_timeout: float) -> StepBroadcast | None:
+    """On process 0 of several, the channel its followers connect to."""
+    from jaxinfer.parallel.multihost import StepBroadcast
+
+    if process is None or process.count == 1:
+        return None
+    return StepBroadcast(process.broadcast_address, process.count - 1, worker_timeout)
 
 
 def _add_client(parser: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
+import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -161,6 +162,8 @@ def announce(server: InferenceServer) -> None:
     host, engine = server.config.host, server.engine
     metrics = ("" if server.metrics_port is None
                else f", metrics on http://{host}:{server.metrics_port}/metrics")
+    if jax.process_count() > 1:
+        metrics += f", {jax.process_count()} processes over {engine.runner.num_devices} devices"
     print(f"jaxinfer serve: {engine.model.config.name} listening on {host}:{server.port}"
           f"{metrics} ({engine.runner.num_blocks} KV blocks of {engine.config.block_size} "
           "tokens)", file=sys.stderr, flush=True)

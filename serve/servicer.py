@@ -7,6 +7,7 @@ into gRPC statuses and counts every outcome:
     a text prompt on a model without a tokenizer     -> FAILED_PRECONDITION
     the waiting queue at its bound                   -> RESOURCE_EXHAUSTED + retry hint
     the server draining for shutdown                 -> UNAVAILABLE
+    a lost process of a multi-host mesh              -> UNAVAILABLE
     the engine loop dead, anything unexpected        -> INTERNAL
 
 A Generate stream iterates the engine's deltas inside `aclosing`, so when the
@@ -193,7 +194,8 @@ def _failure(exc: Exception) -> RpcFailure:
     if isinstance(exc, convert.NoTokenizerError):
         return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     if isinstance(exc, EngineDeadError):
-        return RpcFailure(grpc.StatusCode.INTERNAL, str(exc))
+        code = grpc.StatusCode.UNAVAILABLE if exc.worker_lost else grpc.StatusCode.INTERNAL
+        return RpcFailure(code, str(exc))
     if isinstance(exc, RequestError | ConfigError):
         return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     logger.exception("unexpected error in an RPC")

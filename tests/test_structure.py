@@ -143,3 +143,15 @@ def test_the_command_line_parses_without_jax() -> None:
     code = "".join(f"import {name}\n{name}.build_parser().parse_args(['generate', 'hi'])\n"
                    for name in NO_JAX_TO_PARSE)
     assert _jax_modules_after(code) == "[]"
+
+
+def test_every_package_is_installed() -> None:
+    """A package missing from pyproject's list works in an editable install and is
+    absent from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {module_name(path.parent) for package in PACKAGES
+             for path in (ROOT / package).rglob("__init__.py")}
+    assert found - listed == set()

@@ -7,6 +7,9 @@ per-request queues, so the device loop never waits on a slow consumer.
 Cancelling a consumer (client gone, deadline passed) aborts its request; the
 engine frees its blocks at the next step. An exception inside a step is
 delivered to every open stream and stops the loop; it never kills the process.
+On a multi-host mesh, a lost follower process fails the engine the same way
+from the broadcast's watchdog thread, even while the loop thread waits on the
+devices (its step can never finish).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.outputs import StreamDelta
+from jaxinfer.parallel.multihost import WorkerLostError
 from jaxinfer.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -27,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(JaxinferError):
     """The engine loop stopped after an unexpected error; no request can run."""
+
+    @property
+    def worker_lost(self) -> bool:
+        """The cause is a lost process of a multi-host mesh (not a bug here)."""
+        return isinstance(self.__cause__, WorkerLostError)
 
 
 @dataclass
@@ -47,6 +56,8 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
         self._thread.start()
+        if engine.runner.broadcast is not None:
+            engine.runner.broadcast.on_lost(self.fail)
 
     async def generate(
         self,
@@ -71,7 +82,7 @@ class AsyncLLMEngine:
             while done < samples:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine loop failed: {item!r}") from item
+                    raise _dead(item) from item
                 done += item.finish_reason is not None
                 yield item
         finally:
@@ -107,9 +118,17 @@ class AsyncLLMEngine:
         except KeyError:
             pass
 
+    def fail(self, exc: BaseException) -> None:
+        """Fail every open stream and every later request with `exc` (once)."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = exc
+        self._broadcast(exc)
+
     def _check_alive(self) -> None:
         if self.error is not None:
-            raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+            raise _dead(self.error) from self.error
         if self._stopping:
             raise EngineDeadError("the engine is shutting down")
 
@@ -122,9 +141,11 @@ class AsyncLLMEngine:
             try:
                 deltas = self.engine.step()
             except Exception as exc:  # deliver to every stream, then stop: never crash
-                logger.exception("engine step failed")
-                self.error = exc
-                self._broadcast(exc)
+                if self.error is None:
+                    logger.exception("engine step failed")
+                self.fail(exc)
+                return
+            if self.error is not None:  # failed from outside while the step ran
                 return
             self._dispatch(deltas)
 
@@ -143,3 +164,9 @@ class AsyncLLMEngine:
             streams = list(self._streams.values())
         for stream in streams:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+
+def _dead(cause: BaseException) -> EngineDeadError:
+    if isinstance(cause, WorkerLostError):
+        return EngineDeadError(f"a process of the multi-host mesh was lost: {cause}")
+    return EngineDeadError(f"the engine loop failed: {cause!r}")

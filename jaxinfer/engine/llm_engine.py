@@ -34,6 +34,7 @@ from jaxinfer.outputs import (
     StreamDelta,
     Usage,
 )
+from jaxinfer.parallel.multihost import StepBroadcast
 from jaxinfer.runner import ModelRunner, SequenceQuery, StepResult
 from jaxinfer.sampling import SamplingParams, find_stop_string
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -71,10 +72,13 @@ class _Request:
 class LLMEngine:
     """Continuous batching over one model: add requests, call `step()` until done."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *,
+                 step_broadcast: StepBroadcast | None = None) -> None:
+        """`step_broadcast`: on process 0 of a multi-host job, the followers' channel."""
         self.model = model
         self.config = config = (config or EngineConfig()).resolve(model.config.max_position)
-        self.runner = ModelRunner(model.config, model.params, config.cache_config())
+        self.runner = ModelRunner(model.config, model.params, config.cache_config(),
+                                  step_broadcast)
         self.blocks = BlockPools([
             BlockManager(self.runner.num_blocks, config.block_size,
                          enable_prefix_caching=config.enable_prefix_caching)

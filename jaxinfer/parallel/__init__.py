@@ -10,4 +10,8 @@ Pallas kernels (custom calls GSPMD cannot split) see only their heads.
 Data parallelism replicates the (split) model over 'data' (`data.py`): each
 rank serves its own sequences from its own slice of the KV pool, and one
 jitted step runs every rank under `shard_map` (manual over 'data' only).
+
+Several hosts (`multihost.py`): one process per host on JAX's distributed
+runtime; process 0 schedules and sends each step's host inputs to the others,
+which make the same call, and watches that they stay alive.
 """

@@ -27,6 +27,10 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1) -> Mesh:
             f"{len(devices)} ({devices[0].platform}); on CPU start the process with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}"
         )
+    if jax.process_count() > 1 and needed != len(devices):
+        raise ConfigError(
+            f"a job of {jax.process_count()} processes has {len(devices)} devices: "
+            f"tensor_parallel_size x data_parallel_size must use them all, got {needed}")
     return jax.make_mesh((data_parallel_size, tensor_parallel_size), MESH_AXES,
                          axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[:needed])
 

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxinfer.choices import DTYPE_NAMES, LOAD_FORMATS
 from jaxinfer.errors import ConfigError, ModelLoadError
@@ -100,8 +101,12 @@ def load_model(
     load_format: str = "auto",
     quantization: str = "none",
     quant_group_size: int = DEFAULT_GROUP_SIZE,
+    mesh: Mesh | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer from any supported source.
+
+    `mesh`: with `load_format="dummy"` and no quantization, generate the random
+    weights already split over it (the engine's tensor-parallel layout).
 
     `quantization` (none | int8 | w8a8 | int4 | int4-awq) converts the weights as they
     load, int4 in groups of `quant_group_size` inputs; a checkpoint saved quantized
@@ -118,7 +123,7 @@ def load_model(
     quantizer = None if quantization == "int4-awq" else matrix_quantizer(quantization,
                                                                           quant_group_size)
     if load_format == "dummy":
-        loaded = _load_dummy(source, np_dtype, quantizer)
+        loaded = _load_dummy(source, np_dtype, quantizer, mesh)
     else:
         loaded = _load_real(source, np_dtype, quantizer)
     if loaded.quantization != "none":  # a checkpoint saved quantized loads as it was saved
@@ -184,7 +189,8 @@ def _load_gguf(
                        source_quantization=gguf_loader.file_type_name(reader))
 
 
-def _load_dummy(source: str | Path, dtype: Any, quantizer: Quantizer | None) -> LoadedModel:
+def _load_dummy(source: str | Path, dtype: Any, quantizer: Quantizer | None,
+                mesh: Mesh | None) -> LoadedModel:
     """Random weights; the config comes from a preset, or from a file's metadata."""
     path = Path(source)
     tokenizer = None
@@ -195,7 +201,7 @@ def _load_dummy(source: str | Path, dtype: Any, quantizer: Quantizer | None) -> 
         config = hf.config_from_hf(hf.read_json(path / "config.json"), path.name)
     else:
         config = load_preset(str(source)).config
-    params = dummy_params(config, dtype)
+    params = dummy_params(config, dtype, mesh=None if quantizer is not None else mesh)
     if quantizer is not None:
         params = quantize_params(jax.tree.map(np.asarray, params), quantizer)
     return LoadedModel(config, params, tokenizer, str(source), "dummy", 0.0)

@@ -98,6 +98,26 @@ def test_each_device_holds_its_share(llama) -> None:
     assert runner.penalties.output_counts.addressable_shards[0].data.shape[1] == 128
 
 
+def test_dummy_weights_are_made_split_and_equal_the_unsplit_ones() -> None:
+    """Each device makes its own shard of random weights (a model too big for one
+    device never exists whole), and the values do not depend on the split."""
+    mesh = make_mesh(4)
+    split = load_model("llama-3.2-1b", load_format="dummy", dtype="bfloat16", mesh=mesh)
+    whole = load_model(TINY / "llama", load_format="dummy")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(split.params)[0]:
+        name = jax.tree_util.keystr(path)
+        assert leaf.sharding.mesh == mesh, name
+    gate = split.params["layers"]["gate_proj"]  # [16, 8192, 2048]: 1/4 of the rows each
+    assert gate.addressable_shards[0].data.shape == (16, 2048, 2048)
+    assert gate.dtype == np.dtype("bfloat16")
+    tiny_split = load_model(TINY / "llama", load_format="dummy", mesh=mesh)
+    for a, b in zip(jax.tree.leaves(tiny_split.params), jax.tree.leaves(whole.params),
+                    strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    values = np.asarray(whole.params["layers"]["q_proj"])
+    assert abs(values.std() - 0.02) < 0.002 and np.unique(values).size > values.size // 2
+
+
 def compiled_step_text(llm: LLM, num_tokens: int) -> str:
     """The optimized HLO of the step the runner compiles for `num_tokens` prompt tokens."""
     llm.generate(prompt_token_ids=[list(range(1, num_tokens + 1))],
