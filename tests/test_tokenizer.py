@@ -354,7 +354,8 @@ def test_from_gguf_errors(tmp_path: Path) -> None:
     cases = [
         ({k: v for k, v in base.items() if k != "tokenizer.ggml.tokens"}, "tokenizer.ggml.tokens"),
         ({k: v for k, v in base.items() if k != "tokenizer.ggml.model"}, "tokenizer.ggml.model"),
-        ({**base, "tokenizer.ggml.model": "gpt2"}, "'gpt2' is not supported"),
+        ({**base, "tokenizer.ggml.model": "gpt2"}, "needs 'tokenizer.ggml.merges'"),
+        ({**base, "tokenizer.ggml.model": "rwkv"}, "'rwkv' is not supported"),
         ({**base, "tokenizer.ggml.token_type": [1, 2]}, "token_type has 2 entries"),
         ({**base, "tokenizer.ggml.token_type": [9] * len(_TINY_PIECES)}, "unknown types"),
         ({**base, "tokenizer.ggml.bos_token_id": 10**6}, "outside the vocabulary"),
@@ -364,7 +365,7 @@ def test_from_gguf_errors(tmp_path: Path) -> None:
             Tokenizer.from_gguf(meta)
     with pytest.raises(ModelLoadError, match=r"tokenizer\.ggml\.model"):
         Tokenizer.from_gguf(_write_gguf(tmp_path / "no_tokenizer.gguf"))
-    with pytest.raises(ModelLoadError, match="'gpt2' is not supported"):
+    with pytest.raises(ModelLoadError, match=r"bpe\.gguf: a 'gpt2' .* needs .*merges'"):
         Tokenizer.from_gguf(_write_gguf(tmp_path / "bpe.gguf", model="gpt2"))
     with pytest.raises(ModelLoadError, match="not found"):
         Tokenizer.from_gguf(tmp_path / "missing.gguf")

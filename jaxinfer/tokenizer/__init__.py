@@ -8,8 +8,10 @@ Every model jaxinfer serves comes with one of two kinds of tokenizer
   metadata. Encoding runs in sentencepiece's C++ BPE; decoding is done here and
   follows Hugging Face's decoder chain (``▁`` becomes a space, byte pieces are
   fused into UTF-8), so ids and text agree with ``transformers`` token for token.
-* **tokenizer.json** (Llama 3, Qwen2 byte-level BPE), through the ``tokenizers``
-  package.
+* **tokenizers** (Llama 3, Qwen2, SmolLM byte-level BPE), through the ``tokenizers``
+  package: a ``tokenizer.json``, or built in memory from a GGUF whose
+  ``tokenizer.ggml.model`` is ``gpt2`` (``gguf_bpe``: its merges, and the split
+  regex its ``tokenizer.ggml.pre`` names, as llama.cpp reads them).
 
 Special and added tokens (``<start_of_turn>``, ``<|im_end|>``, ``\\n``) are found
 whole in the text before the model sees it, leftmost-longest, as HF does.

@@ -59,7 +59,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike[str] | Any) -> Tokenizer:
-        """The tokenizer stored in a GGUF's metadata (``tokenizer.ggml.model == 'llama'``).
+        """The tokenizer stored in a GGUF's metadata (``tokenizer.ggml.model`` 'llama' or 'gpt2').
 
         Accepts a path, an object with a ``metadata`` mapping
         (a parsed GGUF file) or the metadata mapping itself.

