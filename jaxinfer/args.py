@@ -49,6 +49,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="preset name, GGUF file, HF folder or jaxinfer checkpoint")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="a Hugging Face folder or tokenizer.json to use instead of the "
+                        "model's own (e.g. for a GGUF whose tokenizer cannot be built)")
     add_quantization_flags(parser)
 
 
@@ -137,7 +140,8 @@ def load_from_args(args: argparse.Namespace, source: str | None = None,
     return load_model(source or args.model, dtype=args.dtype, load_format=load_format,
                       quantization=quantization or args.quantization,
                       quant_group_size=args.quant_group_size,
-                      mesh=_dummy_mesh(args) if load_format == "dummy" else None)
+                      mesh=_dummy_mesh(args) if load_format == "dummy" else None,
+                      tokenizer=getattr(args, "tokenizer", None))
 
 
 def _dummy_mesh(args: argparse.Namespace) -> Mesh | None:

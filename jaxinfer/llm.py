@@ -40,17 +40,22 @@ class LLM:
         load_format: str = "auto",
         quantization: str = "none",
         quant_group_size: int = DEFAULT_GROUP_SIZE,
+        tokenizer: str | Path | None = None,
         engine_config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
         **engine_settings: object,
     ) -> None:
         """`quantization`: none | int8 | w8a8 | int4 | int4-awq (weights, converted at
-        load; int4 in groups of `quant_group_size` inputs).
+        load; int4 in groups of `quant_group_size` inputs). `tokenizer`: a Hugging Face
+        folder or tokenizer.json to use instead of the model's own.
         `engine_settings` are EngineConfig fields (max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, kv_cache_memory, kv_cache_fraction, kv_cache_dtype,
         enable_prefix_caching, enable_chunked_prefill, attention_impl,
         tensor_parallel_size, data_parallel_size), applied over
         `engine_config`."""
+        if loaded is not None and tokenizer is not None:
+            raise ConfigError("tokenizer= applies when loading: pass it to load_model, or set "
+                              "loaded.tokenizer, when giving loaded=")
         try:
             config = (engine_config or EngineConfig()).replace(**engine_settings)
         except TypeError as exc:
@@ -58,7 +63,7 @@ class LLM:
         split = load_format == "dummy" and config.tensor_parallel_size > 1
         self.model = loaded or load_model(
             model, dtype=dtype, load_format=load_format, quantization=quantization,
-            quant_group_size=quant_group_size,
+            quant_group_size=quant_group_size, tokenizer=tokenizer,
             mesh=make_mesh(config.tensor_parallel_size, config.data_parallel_size)
             if split else None)
         self.engine = LLMEngine(self.model, config)

@@ -8,7 +8,7 @@ pass and compare against those logits.
 
 Needs the `reference` extras (torch, transformers), which CI does not install:
 
-    python scripts/make_tiny_fixtures.py [--out tests/data/tiny]
+    python scripts/make_tiny_fixtures.py [--out tests/data/tiny] [--only qwen3 mistral]
 """
 
 from __future__ import annotations
@@ -24,9 +24,13 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 BATCH, SEQ = 2, 12
@@ -60,6 +64,28 @@ def make_qwen2() -> PreTrainedModel:
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
     )
     return Qwen2ForCausalLM(config)
+
+
+def make_qwen3() -> PreTrainedModel:
+    """Qwen3 style: per-head q/k RMSNorm, no biases, head_dim 32 != hidden/heads, tied."""
+    config = Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=5, eos_token_id=6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def make_mistral() -> PreTrainedModel:
+    """Mistral style: every layer a sliding-window layer (window 4 < the 12 tokens)."""
+    config = MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=4, bos_token_id=1,
+        eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    )
+    return MistralForCausalLM(config)
 
 
 def make_gemma3() -> PreTrainedModel:
@@ -131,14 +157,26 @@ def save_fixture(
     print(f"{name}: {sorted(f.name for f in folder.iterdir())} {size / 1024:.0f} KiB")
 
 
+# name -> (model maker, seed, safetensors shard size)
+FIXTURES: dict[str, tuple[Callable[[], PreTrainedModel], int, str | None]] = {
+    "llama": (make_llama, 0, "200KB"),
+    "qwen2": (make_qwen2, 1, None),
+    "gemma3": (make_gemma3, 2, None),
+    "qwen3": (make_qwen3, 3, None),
+    "mistral": (make_mistral, 4, None),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/data/tiny"))
+    parser.add_argument("--only", nargs="*", choices=sorted(FIXTURES), default=None,
+                        help="make these fixtures only (default: all)")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float32)
-    save_fixture("llama", make_llama, 0, args.out, shard="200KB")
-    save_fixture("qwen2", make_qwen2, 1, args.out, shard=None)
-    save_fixture("gemma3", make_gemma3, 2, args.out, shard=None)
+    for name in args.only or FIXTURES:
+        make, seed, shard = FIXTURES[name]
+        save_fixture(name, make, seed, args.out, shard=shard)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, config: ModelConfig, params: dict, arch: str,
-               quantize: tuple[str, ...] = ()) -> None:
+               quantize: tuple[str, ...] = (), extra: dict[str, np.ndarray] | None = None,
+               qtype: str = "Q8_0") -> None:
+    """The tensors whose names contain one of `quantize` are stored as `qtype`."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position)
@@ -44,8 +46,8 @@ def write_gguf(path: Path, config: ModelConfig, params: dict, arch: str,
     writer.add_rope_freq_base(config.rope_theta)
     if config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
-    for name, array in _gguf_tensors(config, params, arch):
-        _add_tensor(writer, name, array, any(q in name for q in quantize))
+    for name, array in [*_gguf_tensors(config, params, arch), *(extra or {}).items()]:
+        _add_tensor(writer, name, array, qtype if any(q in name for q in quantize) else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -68,14 +70,15 @@ def _gguf_tensors(config: ModelConfig, params: dict, arch: str):
             yield f"blk.{index}.{OUR_TO_GGUF[ours]}.{suffix}", weight
 
 
-def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, q8: bool) -> None:
+def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray,
+                qtype: str | None) -> None:
     array = np.ascontiguousarray(array, np.float32)
-    if not q8:
+    if qtype is None:
         writer.add_tensor(name, array)
         return
-    packed = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+    packed = _encode(array, qtype)
     writer.add_tensor(name, packed, raw_shape=packed.shape,
-                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                      raw_dtype=gguf.GGMLQuantizationType[qtype])
 
 
 def _load(path: Path) -> tuple[ModelConfig, dict]:
@@ -167,3 +170,118 @@ def test_reader_agrees_with_the_gguf_package(tmp_path: Path) -> None:
         np.testing.assert_array_equal(
             ours.tensors[tensor.name].dequantize(),
             gguf.quants.dequantize(tensor.data, tensor.tensor_type), err_msg=tensor.name)
+
+
+def test_a_gguf_without_a_usable_tokenizer_serves_ids_and_takes_one_from_a_folder(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        tiny_llama_with_tokenizer: Path) -> None:
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.errors import ConfigError
+    from jaxinfer.weights import load_model
+
+    config, params = hf.load_hf_folder(TINY / "llama")
+    write_gguf(tmp_path / "bare.gguf", config, params, "llama")  # no tokenizer.ggml.*
+    with caplog.at_level("WARNING"):
+        bare = load_model(tmp_path / "bare.gguf")
+    assert bare.tokenizer is None
+    assert "bare.gguf: loaded without a tokenizer" in caplog.text
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm = LLM(loaded=bare, max_model_len=64)
+    assert len(llm.generate(prompt_token_ids=[[1, 5, 9]], sampling_params=greedy)[0]
+               .token_ids) == 4
+    with pytest.raises(ConfigError, match="without a tokenizer"):
+        llm.generate("hello world", greedy)
+
+    tokenizer_json = tiny_llama_with_tokenizer / "tokenizer.json"
+    given = load_model(tmp_path / "bare.gguf", tokenizer=tokenizer_json)
+    ids = given.tokenizer.encode("hello world")
+    llm = LLM(loaded=given, max_model_len=64)
+    assert llm.generate("hello world", greedy)[0].token_ids == llm.generate(
+        prompt_token_ids=[ids], sampling_params=greedy)[0].token_ids
+    with pytest.raises(ModelLoadError, match="not a Hugging Face folder"):
+        load_model(tmp_path / "bare.gguf", tokenizer=tmp_path / "nowhere")
+
+
+def test_a_rope_freqs_tensor_gives_llama3_scaling(tmp_path: Path) -> None:
+    """llama.cpp writes Llama 3.1+ RoPE scaling as per-frequency factors (rope_freqs)."""
+    from jaxinfer.model.config import RopeScaling
+    from jaxinfer.model.layers import rope_inv_freq
+
+    config, params = hf.load_hf_folder(TINY / "llama")
+    llama3 = RopeScaling("llama3", factor=8.0, original_max_position=32)  # all three bands
+    plain = np.asarray(rope_inv_freq(config.head_dim, config.rope_theta, None))
+    scaled = np.asarray(rope_inv_freq(config.head_dim, config.rope_theta, llama3))
+    assert len(set(np.round(plain / scaled, 4))) > 2  # unscaled, smoothed and scaled bands
+    write_gguf(tmp_path / "llama31.gguf", config, params, "llama",
+               extra={"rope_freqs.weight": plain / scaled})
+    loaded, _ = _load(tmp_path / "llama31.gguf")
+    assert loaded.rope_scaling.kind == "factors"
+    np.testing.assert_allclose(rope_inv_freq(loaded.head_dim, loaded.rope_theta,
+                                             loaded.rope_scaling), scaled, rtol=1e-6)
+    write_gguf(tmp_path / "bad.gguf", config, params, "llama",
+               extra={"rope_freqs.weight": np.ones(3, np.float32)})
+    with pytest.raises(ModelLoadError, match=r"rope_freqs\.weight has 3 values"):
+        _load(tmp_path / "bad.gguf")
+
+
+def test_a_declared_sliding_window_is_kept(tmp_path: Path) -> None:
+    """Mistral-style: a window in the GGUF makes every layer a sliding-window layer."""
+    import dataclasses
+
+    config, params = hf.load_hf_folder(TINY / "llama")
+    windowed = dataclasses.replace(config, sliding_window=8,
+                                   layer_types=("local",) * config.num_layers)
+    write_gguf(tmp_path / "mistral.gguf", windowed, params, "llama")
+    loaded, _ = _load(tmp_path / "mistral.gguf")
+    assert loaded.sliding_window == 8 and set(loaded.layer_types) == {"local"}
+    write_gguf(tmp_path / "llama.gguf", config, params, "llama")
+    assert _load(tmp_path / "llama.gguf")[0].sliding_window is None
+
+
+def test_qwen3_gguf_keeps_its_qk_norms(tmp_path: Path) -> None:
+    config, params = hf.load_hf_folder(TINY / "qwen3")
+    write_gguf(tmp_path / "qwen3.gguf", config, params, "qwen3")
+    loaded_config, loaded = _load(tmp_path / "qwen3.gguf")
+    assert loaded_config.qk_norm and not loaded_config.qkv_bias and loaded_config.head_dim == 32
+    _assert_same_params(params, loaded)
+    np.testing.assert_array_equal(loaded["layers"]["k_norm"], params["layers"]["k_norm"])
+
+
+# GGML block layouts: (bytes per 256-value block, byte offsets of its f16 scale fields)
+_K_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q5_K": (176, (0, 2))}
+
+
+def _encode(array: np.ndarray, qtype: str) -> np.ndarray:
+    """Raw rows of `qtype` for an f32 matrix: gguf-py's quantizer, or for K-quants (which
+    gguf-py cannot write) random quants with small, finite scales."""
+    if qtype not in _K_BLOCKS:
+        return gguf.quants.quantize(array, gguf.GGMLQuantizationType[qtype])
+    size, scale_offsets = _K_BLOCKS[qtype]
+    rows, cols = array.shape
+    raw = np.random.default_rng(0).integers(0, 256, (rows, cols // 256, size), np.uint8)
+    for offset in scale_offsets:
+        raw[..., offset:offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "BF16"])
+def test_every_common_quant_type_loads(tmp_path: Path, qtype: str) -> None:
+    """llama.cpp's presets mix these: each loads (through gguf-py's dequantizer where we
+    have no integer path) to exactly the values the file stores."""
+    import dataclasses
+
+    import jax
+
+    from jaxinfer.weights.dummy import dummy_params
+
+    config = dataclasses.replace(hf.load_hf_folder(TINY / "llama")[0], d_model=256,
+                                 ffn_dim=256, num_heads=4, num_kv_heads=2, head_dim=64)
+    params = jax.tree.map(np.asarray, dummy_params(config))
+    path = tmp_path / f"{qtype}.gguf"
+    write_gguf(path, config, params, "llama", quantize=("ffn_up",), qtype=qtype)
+    stored = gguf_loader.open_gguf(path).tensors
+    _, loaded = _load(path)
+    for layer in range(config.num_layers):
+        tensor = stored[f"blk.{layer}.ffn_up.weight"]
+        assert tensor.qtype.name == qtype
+        np.testing.assert_array_equal(loaded["layers"]["up_proj"][layer], tensor.dequantize())

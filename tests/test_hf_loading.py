@@ -35,6 +35,16 @@ EXPECTED_CONFIG: dict[str, dict[str, Any]] = {
         "qkv_bias": True, "tie_embeddings": True, "rope_theta": 1e6, "rope_scaling": None,
         "sliding_window": None, "layer_types": ("global", "global"), "eos_token_ids": (6,),
     },
+    "qwen3": {
+        "architecture": "llama", "vocab_size": 256, "d_model": 64, "head_dim": 32,
+        "qkv_bias": False, "qk_norm": True, "tie_embeddings": True, "rope_theta": 1e6,
+        "norm_offset": 0.0, "sliding_window": None, "layer_types": ("global", "global"),
+    },
+    "mistral": {
+        "architecture": "llama", "head_dim": 16, "qkv_bias": False, "qk_norm": False,
+        "tie_embeddings": False, "sliding_window": 4, "layer_types": ("local", "local"),
+        "eos_token_ids": (2,),
+    },
     "gemma3": {
         "architecture": "gemma3", "vocab_size": 128, "num_layers": 6, "num_heads": 4,
         "num_kv_heads": 2, "head_dim": 16, "ffn_dim": 64, "activation": "gelu_tanh",
@@ -239,6 +249,22 @@ def test_linear_rope_scaling_old_type_key() -> None:
 def test_unsupported_rope_type() -> None:
     with pytest.raises(ModelLoadError, match="'yarn'"):
         config_from_hf(LLAMA_BASE | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "x")
+
+
+def test_per_frequency_rope_factors_are_checked() -> None:
+    from jaxinfer.errors import ConfigError
+    from jaxinfer.model.config import ModelConfig
+
+    factors = RopeScaling("factors", factors=[1.0, 2.0])  # a list, as a TOML file gives it
+    assert factors.factors == (1.0, 2.0) and hash(factors)
+    for bad in ({"kind": "factors"}, {"kind": "linear", "factor": 2.0, "factors": (1.0,)},
+                {"kind": "factors", "factors": (1.0, -2.0)}):
+        with pytest.raises(ConfigError, match=r"rope_scaling\.factors"):
+            RopeScaling(**bad)
+    config = config_from_hf(LLAMA_BASE, "x")
+    scaled = ModelConfig.from_dict({**config.to_dict(), "rope_scaling": {
+        "kind": "factors", "factors": [1.0] * (config.head_dim // 2)}})
+    assert ModelConfig.from_dict(scaled.to_dict()) == scaled
 
 
 def test_missing_required_key() -> None:

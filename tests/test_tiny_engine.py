@@ -38,7 +38,7 @@ def greedy_by_recompute(model, prompt: list[int], steps: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_decode_matches_full_recompute(name: str) -> None:
     model = load_model(TINY / name)
     llm = LLM(loaded=model, max_model_len=64, max_num_seqs=2, block_size=4)

@@ -24,19 +24,27 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma3", "llama")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: `linear` (position interpolation) or `llama3`."""
+    """RoPE frequency scaling: `linear` (position interpolation), `llama3`, or
+    `factors` (each inverse frequency divided by its own factor, as a GGUF's
+    `rope_freqs` tensor gives them: llama.cpp's form of Llama 3.1+ scaling)."""
 
-    kind: Literal["linear", "llama3"]
-    factor: float
+    kind: Literal["linear", "llama3", "factors"]
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    factors: tuple[float, ...] = ()  # [head_dim // 2], kind "factors" only
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3"):
-            raise ConfigError(f"rope_scaling.kind must be 'linear' or 'llama3', got {self.kind!r}")
+        if self.kind not in ("linear", "llama3", "factors"):
+            raise ConfigError(f"rope_scaling.kind must be 'linear', 'llama3' or 'factors', "
+                              f"got {self.kind!r}")
         if self.factor <= 0:
             raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        object.__setattr__(self, "factors", tuple(float(f) for f in self.factors))
+        if (self.kind == "factors") != bool(self.factors) or any(f <= 0 for f in self.factors):
+            raise ConfigError("rope_scaling.factors: positive values, given with kind "
+                              "'factors' only")
 
 
 @dataclass(frozen=True)

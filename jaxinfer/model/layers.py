@@ -42,13 +42,18 @@ def gated_mlp(x: jax.Array, layer: dict[str, jax.Array], kind: str) -> jax.Array
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-    """Inverse frequencies [head_dim // 2] with optional linear or Llama-3 scaling."""
+    """Inverse frequencies [head_dim // 2] with optional linear, Llama-3 or per-frequency
+    scaling."""
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "factors":
+        if len(scaling.factors) != head_dim // 2:
+            raise ValueError(f"{len(scaling.factors)} RoPE factors for head_dim {head_dim}")
+        return inv_freq / jnp.asarray(scaling.factors, jnp.float32)
     return _llama3_scale(inv_freq, scaling)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.resources
 import importlib.util
+import logging
 import time
 import tomllib
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from jaxinfer.weights.quantize import (
     quantize_params,
 )
 
+logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "gemma3-270m"
 HF_TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 DTYPES = dict(zip(DTYPE_NAMES, (np.float32, jnp.bfloat16), strict=True))
@@ -103,8 +105,13 @@ def load_model(
     quantization: str = "none",
     quant_group_size: int = DEFAULT_GROUP_SIZE,
     mesh: Mesh | None = None,
+    tokenizer: str | Path | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer from any supported source.
+
+    `tokenizer`: a Hugging Face folder (or its tokenizer.json) to use instead of the
+    one the source carries. A GGUF whose own tokenizer cannot be built loads without
+    one (a warning says why): it serves token ids, and text asks for `tokenizer`.
 
     `mesh`: with `load_format="dummy"` and no quantization, generate the random
     weights already split over it (the engine's tensor-parallel layout).
@@ -127,6 +134,8 @@ def load_model(
         loaded = _load_dummy(source, np_dtype, quantizer, mesh)
     else:
         loaded = _load_real(source, np_dtype, quantizer)
+    if tokenizer is not None:
+        loaded.tokenizer = _external_tokenizer(tokenizer, loaded.config)
     if loaded.quantization != "none":  # a checkpoint saved quantized loads as it was saved
         _check_stored_quantization(loaded, quantization)
     else:
@@ -184,10 +193,36 @@ def _load_gguf(
 ) -> LoadedModel:
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.config_from_gguf(reader, name=name)
-    tokenizer = Tokenizer.from_gguf(reader)
+    tokenizer = _gguf_tokenizer(reader, path)
     params = gguf_loader.load_gguf_params(reader, config, dtype, quantizer)
     return LoadedModel(config, params, tokenizer, source, "gguf", 0.0,
                        source_quantization=gguf_loader.file_type_name(reader))
+
+
+def _gguf_tokenizer(reader: Any, path: Path) -> Tokenizer | None:
+    """The GGUF's own tokenizer, or None with a warning when it cannot be built (the
+    weights still serve token ids; `tokenizer=` gives it one)."""
+    try:
+        return Tokenizer.from_gguf(reader)
+    except ModelLoadError as exc:
+        logger.warning("%s: loaded without a tokenizer (token ids only; --tokenizer PATH "
+                       "gives it one): %s", path.name, exc)
+        return None
+
+
+def _external_tokenizer(source: str | Path, config: ModelConfig) -> Tokenizer:
+    """A Hugging Face tokenizer folder, or a tokenizer.json (its folder is read)."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.name == "tokenizer.json":
+        path = path.parent
+    if not path.is_dir():
+        raise ModelLoadError(f"tokenizer {source}: not a Hugging Face folder or a tokenizer.json")
+    tokenizer = Tokenizer.from_hf_dir(path)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer {source} has {tokenizer.vocab_size:,} tokens, more than the model's "
+            f"{config.vocab_size:,} embedding rows: it belongs to another model")
+    return tokenizer
 
 
 def _load_dummy(source: str | Path, dtype: Any, quantizer: Quantizer | None,

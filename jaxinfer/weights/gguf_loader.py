@@ -34,6 +34,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "llama": ("llama", False, True),
     "mistral": ("llama", False, True),
     "qwen2": ("llama", True, False),
+    "qwen3": ("llama", False, False),
 }
 
 GLOBAL_TENSORS = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
@@ -100,16 +101,16 @@ def config_from_gguf(reader: GGUFFile, name: str | None = None) -> ModelConfig:
         name=name or str(reader.get("general.name", "model")),
         tie_embeddings=_tensor_info(reader, "output.weight", required=False) is None,
     )
-    if _tensor_info(reader, "rope_freqs.weight", required=False) is not None:
-        raise ModelLoadError(
-            "this GGUF scales RoPE with a rope_freqs tensor (Llama 3.1+ style), which the "
-            "GGUF loader does not read yet; load the Hugging Face folder instead"
-        )
     if arch == "gemma3":
         return _gemma3_config(common, meta)
+    window = reader.get(f"{gguf_arch}.attention.sliding_window")  # Mistral: every layer
     return ModelConfig(
         architecture="llama", activation="silu", qkv_bias=qkv_bias,
-        rope_scaling=_rope_scaling(meta), **common,
+        rope_scaling=_rope_freqs(reader, common["head_dim"]) or _rope_scaling(meta),
+        sliding_window=int(window) if window else None,
+        layer_types=("local",) * common["num_layers"] if window else (),
+        qk_norm=_tensor_info(reader, "blk.0.attn_q_norm.weight", required=False) is not None,
+        **common,
     )
 
 
@@ -148,6 +149,19 @@ def _rope_scaling(meta: Any) -> RopeScaling | None:
     if kind == "linear" and factor != 1.0:
         return RopeScaling("linear", factor)
     return None
+
+
+def _rope_freqs(reader: GGUFFile, head_dim: int) -> RopeScaling | None:
+    """Per-frequency RoPE factors from a `rope_freqs` tensor (how llama.cpp's converter
+    writes Llama 3.1+ scaling), or None when the file has none."""
+    tensor = _tensor_info(reader, "rope_freqs.weight", required=False)
+    if tensor is None:
+        return None
+    factors = tensor.dequantize().reshape(-1)
+    if factors.size != head_dim // 2 or not np.all(factors > 0):
+        raise ModelLoadError(f"rope_freqs.weight has {factors.size} values (need "
+                             f"{head_dim // 2} positive ones for head_dim {head_dim})")
+    return RopeScaling("factors", factors=tuple(factors.tolist()))
 
 
 def _eos_ids(reader: GGUFFile) -> tuple[int, ...]:

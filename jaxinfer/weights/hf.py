@@ -32,7 +32,9 @@ from jaxinfer.errors import ModelLoadError
 from jaxinfer.model.config import LayerType, ModelConfig, RopeScaling, gemma3_layer_types
 from jaxinfer.model.params import Params, check_param_shapes, layer_param_shapes, stack_layers
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+_QWEN = ("qwen2", "qwen3")
 
 # Values transformers assumes when config.json omits a key (per model_type).
 _LLAMA_DEFAULTS: dict[str, Any] = {
@@ -43,6 +45,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _LLAMA_DEFAULTS,
     "mistral": _LLAMA_DEFAULTS | {"max_position_embeddings": 131_072, "sliding_window": 4096},
     "qwen2": _LLAMA_DEFAULTS | {"max_position_embeddings": 32_768, "max_window_layers": 28},
+    "qwen3": _LLAMA_DEFAULTS | {"max_position_embeddings": 40_960, "max_window_layers": 28},
     "gemma3_text": {  # Gemma3TextConfig; multimodal text_configs omit most of these
         "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -157,6 +160,7 @@ def _llama_config(hf: dict[str, Any], model_type: str, name: str) -> ModelConfig
         rope_theta=theta, rope_scaling=scaling, layer_types=layer_types,
         sliding_window=hf.get("sliding_window") if "local" in layer_types else None,
         qkv_bias=qkv_bias, activation=_activation(hf.get("hidden_act")),
+        qk_norm=model_type == "qwen3",  # per-head RMSNorm of q and k before RoPE
     )
 
 
@@ -248,16 +252,16 @@ def _gemma3_layer_types(hf: dict[str, Any]) -> tuple[LayerType, ...]:
 
 
 def _llama_layer_types(hf: dict[str, Any], model_type: str) -> tuple[LayerType, ...]:
-    """Llama: all global. Mistral: all local when sliding_window is set. Qwen2: local
+    """Llama: all global. Mistral: all local when sliding_window is set. Qwen2/3: local
     from layer max_window_layers on, and only when use_sliding_window."""
     num_layers = _required(hf, "num_hidden_layers")
-    if model_type == "qwen2" and not hf.get("use_sliding_window"):
+    if model_type in _QWEN and not hf.get("use_sliding_window"):
         return ("global",) * num_layers
     if hf.get("layer_types"):
         return _hf_layer_types(hf)
     if model_type == "mistral" and hf.get("sliding_window"):
         return ("local",) * num_layers
-    if model_type == "qwen2":
+    if model_type in _QWEN:
         first = hf["max_window_layers"]
         return tuple("local" if i >= first else "global" for i in range(num_layers))
     return ("global",) * num_layers
