@@ -164,7 +164,8 @@ def test_unsupported_model_type(tmp_path: Path) -> None:
     folder = _copy_fixture("qwen2", tmp_path)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"model_type": "mamba"}))
-    with pytest.raises(ModelLoadError, match=r"'mamba'.*supported: llama, mistral, qwen2"):
+    supported = "gemma3, gemma3_text, llama, mistral, qwen2, qwen3"
+    with pytest.raises(ModelLoadError, match=rf"'mamba'.*supported: {supported}"):
         load_hf_folder(folder)
 
 

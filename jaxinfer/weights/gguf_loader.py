@@ -23,19 +23,11 @@ import numpy as np
 
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.gguf_file import GGUFFile, GGUFTensor, read_gguf
-from jaxinfer.model.config import ModelConfig, RopeScaling, gemma3_layer_types
+from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params, check_param_shapes, stack_layers
+from jaxinfer.weights.families import family_for_gguf
 from jaxinfer.weights.gguf_quants import GGUFMatrix, can_decode
 from jaxinfer.weights.quantize import Quantizer
-
-# GGUF architecture name -> (our architecture, qkv bias, Q/K rows permuted by llama.cpp)
-GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
-    "gemma3": ("gemma3", False, False),
-    "llama": ("llama", False, True),
-    "mistral": ("llama", False, True),
-    "qwen2": ("llama", True, False),
-    "qwen3": ("llama", False, False),
-}
 
 GLOBAL_TENSORS = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
 
@@ -67,14 +59,10 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 
 def config_from_gguf(reader: GGUFFile, name: str | None = None) -> ModelConfig:
-    """Model hyper-parameters from the GGUF metadata."""
+    """Model hyper-parameters from the GGUF metadata: what every architecture states
+    the same way here, the rest by its family."""
     gguf_arch = reader.get("general.architecture")
-    if gguf_arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported GGUF architecture {gguf_arch!r}; "
-            f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
-        )
-    arch, qkv_bias, _ = GGUF_ARCHITECTURES[gguf_arch]
+    family = family_for_gguf(gguf_arch)
 
     def meta(key: str, default: Any = None) -> Any:
         value = reader.get(f"{gguf_arch}.{key}", default)
@@ -101,17 +89,7 @@ def config_from_gguf(reader: GGUFFile, name: str | None = None) -> ModelConfig:
         name=name or str(reader.get("general.name", "model")),
         tie_embeddings=_tensor_info(reader, "output.weight", required=False) is None,
     )
-    if arch == "gemma3":
-        return _gemma3_config(common, meta)
-    window = reader.get(f"{gguf_arch}.attention.sliding_window")  # Mistral: every layer
-    return ModelConfig(
-        architecture="llama", activation="silu", qkv_bias=qkv_bias,
-        rope_scaling=_rope_freqs(reader, common["head_dim"]) or _rope_scaling(meta),
-        sliding_window=int(window) if window else None,
-        layer_types=("local",) * common["num_layers"] if window else (),
-        qk_norm=_tensor_info(reader, "blk.0.attn_q_norm.weight", required=False) is not None,
-        **common,
-    )
+    return family.config_from_gguf(common, meta, reader)
 
 
 def file_type_name(reader: GGUFFile) -> str:
@@ -121,47 +99,6 @@ def file_type_name(reader: GGUFFile) -> str:
         return gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
     except (TypeError, ValueError):
         return "unknown"
-
-
-def _gemma3_config(common: dict[str, Any], meta: Any) -> ModelConfig:
-    window = int(meta("attention.sliding_window"))
-    return ModelConfig(
-        architecture="gemma3",
-        activation="gelu_tanh",
-        norm_offset=1.0,
-        scale_embeddings=True,
-        sandwich_norms=True,
-        qk_norm=True,
-        sliding_window=window,
-        layer_types=gemma3_layer_types(common["num_layers"]),
-        rope_local_theta=10_000.0,  # llama.cpp and HF fix the local base for Gemma 3
-        query_pre_attn_scalar=float(common["head_dim"]),
-        rope_scaling=_rope_scaling(meta),
-        **common,
-    )
-
-
-def _rope_scaling(meta: Any) -> RopeScaling | None:
-    kind = meta("rope.scaling.type", "none")
-    if kind not in ("none", "linear"):
-        raise ModelLoadError(f"unsupported RoPE scaling {kind!r} in GGUF (supported: linear)")
-    factor = float(meta("rope.scaling.factor", 1.0))
-    if kind == "linear" and factor != 1.0:
-        return RopeScaling("linear", factor)
-    return None
-
-
-def _rope_freqs(reader: GGUFFile, head_dim: int) -> RopeScaling | None:
-    """Per-frequency RoPE factors from a `rope_freqs` tensor (how llama.cpp's converter
-    writes Llama 3.1+ scaling), or None when the file has none."""
-    tensor = _tensor_info(reader, "rope_freqs.weight", required=False)
-    if tensor is None:
-        return None
-    factors = tensor.dequantize().reshape(-1)
-    if factors.size != head_dim // 2 or not np.all(factors > 0):
-        raise ModelLoadError(f"rope_freqs.weight has {factors.size} values (need "
-                             f"{head_dim // 2} positive ones for head_dim {head_dim})")
-    return RopeScaling("factors", factors=tuple(factors.tolist()))
 
 
 def _eos_ids(reader: GGUFFile) -> tuple[int, ...]:
@@ -186,7 +123,7 @@ def load_gguf_params(
     chunk by chunk where `gguf_quants` decodes its type, else from one f32 tensor.
     """
     gguf_arch = reader.get("general.architecture")
-    permute_qk = GGUF_ARCHITECTURES[gguf_arch][2]
+    permute_qk = gguf_arch in family_for_gguf(gguf_arch).gguf_permuted_qk
     top: dict[str, Any] = {}
     layers: list[dict[str, Any]] = [{} for _ in range(config.num_layers)]
     for tensor in reader.tensors.values():
