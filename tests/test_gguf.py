@@ -285,3 +285,19 @@ def test_every_common_quant_type_loads(tmp_path: Path, qtype: str) -> None:
         tensor = stored[f"blk.{layer}.ffn_up.weight"]
         assert tensor.qtype.name == qtype
         np.testing.assert_array_equal(loaded["layers"]["up_proj"][layer], tensor.dequantize())
+
+
+def test_a_damaged_or_unsupported_gguf_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    from jaxinfer.weights import load_model
+
+    config, params = hf.load_hf_folder(TINY / "llama")
+    missing = {**params, "layers": {k: v for k, v in params["layers"].items() if k != "up_proj"}}
+    write_gguf(tmp_path / "no_up.gguf", config, missing, "llama")
+    with pytest.raises(ModelLoadError) as info:
+        load_model(tmp_path / "no_up.gguf")
+    assert str(tmp_path / "no_up.gguf") in str(info.value) and "\n" not in str(info.value)
+    assert "up_proj" in str(info.value)
+    write_gguf(tmp_path / "rwkv.gguf", config, params, "rwkv6")
+    with pytest.raises(ModelLoadError, match=r"rwkv\.gguf: unsupported GGUF architecture "
+                                             r"'rwkv6'; supported: gemma3, llama"):
+        load_model(tmp_path / "rwkv.gguf")

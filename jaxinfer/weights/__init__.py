@@ -192,9 +192,13 @@ def _load_gguf(
     path: Path, dtype: Any, name: str | None, quantizer: Quantizer | None, source: str
 ) -> LoadedModel:
     reader = gguf_loader.open_gguf(path)
-    config = gguf_loader.config_from_gguf(reader, name=name)
-    tokenizer = _gguf_tokenizer(reader, path)
-    params = gguf_loader.load_gguf_params(reader, config, dtype, quantizer)
+    try:
+        config = gguf_loader.config_from_gguf(reader, name=name)
+        tokenizer = _gguf_tokenizer(reader, path)
+        params = gguf_loader.load_gguf_params(reader, config, dtype, quantizer)
+    except ModelLoadError as exc:  # name the file in every message, once
+        message = str(exc)
+        raise ModelLoadError(message if str(path) in message else f"{path}: {message}") from exc
     return LoadedModel(config, params, tokenizer, source, "gguf", 0.0,
                        source_quantization=gguf_loader.file_type_name(reader))
 
