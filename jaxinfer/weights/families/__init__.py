@@ -11,6 +11,8 @@ fixture (scripts/make_tiny_fixtures.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.weights.families import gemma3, llama, qwen
 from jaxinfer.weights.families.common import Family
@@ -22,20 +24,23 @@ GGUF_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.gguf_
 
 def family_for_hf(model_type: object) -> Family:
     """The family of a config.json `model_type`; ModelLoadError listing the supported ones."""
-    for family in FAMILIES:
-        if model_type in family.hf_model_types:
-            return family
-    raise ModelLoadError(f"unsupported Hugging Face model_type {model_type!r}; "
-                         f"supported: {', '.join(sorted(HF_MODEL_TYPES))}")
+    return _find(lambda f: model_type in f.hf_model_types,
+                 f"unsupported Hugging Face model_type {model_type!r}; "
+                 f"supported: {', '.join(sorted(HF_MODEL_TYPES))}")
 
 
 def family_for_gguf(architecture: object) -> Family:
     """The family of a GGUF `general.architecture`."""
+    return _find(lambda f: architecture in f.gguf_architectures,
+                 f"unsupported GGUF architecture {architecture!r}; "
+                 f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+
+
+def _find(reads: Callable[[Family], bool], unsupported: str) -> Family:
     for family in FAMILIES:
-        if architecture in family.gguf_architectures:
+        if reads(family):
             return family
-    raise ModelLoadError(f"unsupported GGUF architecture {architecture!r}; "
-                         f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+    raise ModelLoadError(unsupported)
 
 
 def family_of(architecture: str) -> Family:
