@@ -58,7 +58,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 def add_quantization_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                         help="weight format, converted at load (default: none = float); "
-                        "w8a8 also quantizes activations in batched steps")
+                        "w8a8 also quantizes activations in batched steps; gguf keeps a "
+                        "GGUF's own quant blocks exactly")
     parser.add_argument("--quant-group-size", type=int, default=128,
                         help="int4 group size along the input dimension (default 128)")
 

@@ -12,7 +12,7 @@ from jaxinfer.errors import ConfigError
 # see jaxinfer/ops/attention.py
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret", "pallas-tpu-interpret")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: int8 + f32 scales
-QUANTIZATIONS = ("none", "int8", "w8a8", "int4", "int4-awq")  # see weights/quantize.py
+QUANTIZATIONS = ("none", "int8", "w8a8", "int4", "int4-awq", "gguf")  # weights/quantize.py
 DTYPE_NAMES = ("float32", "bfloat16")  # the dtypes weights load in
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of the right shapes
 

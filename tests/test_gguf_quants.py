@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from test_gguf import write_gguf
 
+from jaxinfer.errors import ConfigError
 from jaxinfer.gguf_file import GGUFTensor, read_gguf
 from jaxinfer.model.quant import dequantize
 from jaxinfer.weights import gguf_loader, hf
@@ -176,3 +177,44 @@ def test_conversion_error_within_format_bounds(real_tensors) -> None:
             assert rel_rms <= 1.2 * uniform, (tensor.name, weight.kind, rel_rms, uniform)
             assert rel_rms <= MAX_REL_RMS[weight.bits], (tensor.name, weight.kind, rel_rms)
         np.testing.assert_array_equal(dequantize(matrix.exact()), w)  # lossless form
+
+
+def test_layers_of_mixed_block_forms_share_one_exact_form() -> None:
+    """Q4_K_M gives some layers of a tensor Q6_K blocks and the rest Q4_K: to stack them,
+    both become int8 with a scale and offset per 16 inputs, values unchanged."""
+    from jaxinfer.weights.gguf_quants import common_form
+
+    raws = {qtype: _random_blocks(qtype, 8, 512, seed=5) for qtype in (QType.Q4_K, QType.Q6_K)}
+    exact = [_matrix(qtype, raw).exact() for qtype, raw in raws.items()]
+    assert {(w.bits, w.group_size) for w in exact} == {(4, 32), (8, 16)}
+    joined = common_form(exact)
+    assert {(w.bits, w.group_size, w.values.dtype) for w in joined} == {(8, 16, np.dtype("int8"))}
+    for (qtype, raw), weight in zip(raws.items(), joined, strict=True):
+        # equal values; Q6_K's -0.0 (0 times a negative scale) plus its 0 offset is +0.0
+        np.testing.assert_array_equal(dequantize(weight), _gguf_f32(qtype, raw))
+    same = [_matrix(QType.Q8_0, _random_blocks(QType.Q8_0, 8, 512, seed=s)).exact()
+            for s in (1, 2)]
+    assert common_form(same) == same  # one form already: left alone
+
+
+def test_gguf_setting_keeps_the_file_blocks(tmp_path: Path) -> None:
+    """`quantization="gguf"` on a file of Q8_0 matrices: weights equal the float load's
+    bit for bit, in int8 with the file's scale per 32; norms stay float."""
+    from jaxinfer.weights import load_model
+
+    config, params = hf.load_hf_folder(TINY / "llama")
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, config, params, "llama", quantize=("attn_", "ffn_"))
+    kept = load_model(path, quantization="gguf")
+    floats = load_model(path)
+    for name in ("q_proj", "k_proj", "o_proj", "up_proj", "down_proj"):
+        weight = kept.params["layers"][name]
+        assert (weight.bits, weight.group_size, weight.w8a8) == (8, 32, False), name
+        np.testing.assert_array_equal(_bits(dequantize(weight)),
+                                      _bits(floats.params["layers"][name]), err_msg=name)
+    assert isinstance(kept.params["layers"]["attn_norm"], np.ndarray)
+    assert kept.quantization == "gguf"
+    with pytest.raises(ConfigError, match=r"tiny/llama is a hf model"):
+        load_model(TINY / "llama", quantization="gguf")
+    with pytest.raises(ConfigError, match="random weights have none"):
+        load_model(TINY / "llama", quantization="gguf", load_format="dummy")

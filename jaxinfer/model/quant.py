@@ -5,6 +5,8 @@ pytree (leading axes: the stacked layer axis):
 
 - int8 (`bits=8`): `w ≈ values * scale`, values int8 `[..., out, in]`, one scale
   per output row and group of `group_size` inputs (`group_size == in`: per channel).
+- int8 with `offsets`: `w = values * scale + offset` per group (a GGUF tensor whose
+  layers mix Q4_K and Q6_K blocks, in one exact form: see gguf_quants.common_form).
 - int4 (`bits=4`): `w ≈ u * scale + offset`, u in 0..15 packed two per byte along
   the input axis (element 2j in the low nibble of byte j, 2j+1 in the high one),
   an asymmetric scale/offset pair per group (AWQ's and llama.cpp's Q4_K form).
@@ -119,7 +121,7 @@ def _weight_only(x: jax.Array, weight: QuantizedWeight) -> jax.Array:
     """
     if 1 < x.shape[0] <= ROW_LOOP_MAX_ROWS:
         return jnp.concatenate([_weight_only(row[None], weight) for row in x], axis=0)
-    if weight.bits == 8 and weight.num_groups == 1:
+    if weight.bits == 8 and weight.num_groups == 1 and weight.offsets is None:
         return (x @ weight.values.T.astype(jnp.float32)) * weight.scales[:, 0]
     return x @ dequantize(weight.replace(act_scale=None)).T  # x was scaled by the caller
 

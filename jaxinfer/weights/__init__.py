@@ -125,6 +125,9 @@ def load_model(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
     check_quantization(quantization)
+    if quantization == "gguf" and load_format == "dummy":
+        raise ConfigError("quantization 'gguf' keeps a GGUF file's own blocks; random weights "
+                          "have none (use none, int8, w8a8 or int4)")
     np_dtype = resolve_dtype(dtype)
     start = time.perf_counter()
     # AWQ calibrates on the float model; the other methods convert tensor by tensor.
@@ -139,6 +142,9 @@ def load_model(
     if loaded.quantization != "none":  # a checkpoint saved quantized loads as it was saved
         _check_stored_quantization(loaded, quantization)
     else:
+        if quantization == "gguf" and loaded.kind != "gguf":
+            raise ConfigError(f"quantization 'gguf' keeps a GGUF file's own blocks, and "
+                              f"{source} is a {loaded.kind} model (use none, int8, w8a8 or int4)")
         if quantization == "int4-awq":
             loaded.params = awq.quantize_awq(loaded.params, loaded.config, loaded.tokenizer,
                                              quant_group_size)

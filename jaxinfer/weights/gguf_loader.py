@@ -25,8 +25,9 @@ from jaxinfer.errors import ModelLoadError
 from jaxinfer.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.params import Params, check_param_shapes, stack_layers
+from jaxinfer.model.quant import QuantizedWeight
 from jaxinfer.weights.families import family_for_gguf
-from jaxinfer.weights.gguf_quants import GGUFMatrix, can_decode
+from jaxinfer.weights.gguf_quants import GGUFMatrix, can_decode, common_form
 from jaxinfer.weights.quantize import Quantizer
 
 GLOBAL_TENSORS = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
@@ -132,9 +133,19 @@ def load_gguf_params(
             continue
         destination = top if layer_index is None else layers[layer_index]
         destination[target] = _load_tensor(tensor, target, config, permute_qk, dtype, quantizer)
-    params: Params = {**top, "layers": stack_layers(layers)}
+    params: Params = {**top, "layers": stack_layers(_stackable(layers))}
     check_param_shapes(config, params)
     return params
+
+
+def _stackable(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-layer weights with each tensor in one form across layers (`common_form`)."""
+    for name in layers[0]:
+        weights = [layer[name] for layer in layers]
+        if all(isinstance(w, QuantizedWeight) for w in weights):
+            for layer, weight in zip(layers, common_form(weights), strict=True):
+                layer[name] = weight
+    return layers
 
 
 def _target_name(gguf_name: str) -> tuple[str | None, int | None]:

@@ -33,7 +33,7 @@ import gguf
 import numpy as np
 
 from jaxinfer.gguf_file import GGUFTensor
-from jaxinfer.model.quant import QuantizedWeight
+from jaxinfer.model.quant import QuantizedWeight, unpack_int4
 from jaxinfer.weights.quantize import quantize_int4, quantize_int8
 
 QType = gguf.GGMLQuantizationType
@@ -219,3 +219,30 @@ class GGUFMatrix:
         packed = q[:, 0::2] | (q[:, 1::2] << 4)
         return QuantizedWeight(values=packed, scales=scale, offsets=offset, bits=4,
                                group_size=block)
+
+
+def common_form(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Layers of one tensor in one stackable form, exactly.
+
+    llama.cpp's mixes (Q4_K_M: some layers' ffn_down and attn_v in Q6_K, the rest in
+    Q4_K) give a tensor layers of different block forms. Such layers become int8
+    values with a scale and an offset per group of the smallest group size: Q4_K's
+    0..15 and Q6_K's signed values both fit int8, its group of 32 splits into groups
+    of 16 sharing the scale and min, Q6_K's offset is 0. `w = q * scale + offset`
+    gives each layer's file values exactly (a Q6_K zero may lose its sign: -0.0 + 0).
+    """
+    forms = {(w.bits, w.group_size, w.offsets is not None) for w in weights}
+    if len(forms) == 1:
+        return weights
+    group = min(w.group_size for w in weights)
+    return [_int8_with_offsets(w, group) for w in weights]
+
+
+def _int8_with_offsets(weight: QuantizedWeight, group: int) -> QuantizedWeight:
+    values = unpack_int4(weight.values) if weight.bits == 4 else weight.values
+    repeat = weight.group_size // group
+    scales = np.repeat(weight.scales, repeat, axis=-1)
+    offsets = (np.zeros_like(scales) if weight.offsets is None
+               else np.repeat(weight.offsets, repeat, axis=-1))
+    return QuantizedWeight(values=values.astype(np.int8), scales=scales, offsets=offsets,
+                           bits=8, group_size=group)

@@ -12,6 +12,10 @@ Methods (`quantization=`):
   per byte; the embedding / LM head is int8 per channel (as llama.cpp's Q4_K_M keeps
   it at 8 bits): at Gemma's 262k vocabulary it is the most sensitive matrix.
 - `int4-awq`: int4 after activation-aware scaling (see `awq.py`).
+- `gguf`: a GGUF file's own quant blocks kept exactly (Q8_0, Q5_0, Q6_K as int8 with
+  the file's scale per 32 or 16 inputs; Q4_K as int4 with its scales and mins per
+  32), weight-only everywhere, so the weights equal the file's bit for bit; tensors
+  of other types stay float. Only for GGUF sources.
 
 Matrices are quantized one at a time, over their stacked layer axis at once, so the
 host never holds a second float copy of the model. A quantizer also accepts an
@@ -50,6 +54,8 @@ class EncodedMatrix(Protocol):
     def quantize_int4(self, group_size: int) -> QuantizedWeight: ...
 
     def dequantize(self, dtype: Any = np.float32) -> np.ndarray: ...
+
+    def exact(self) -> QuantizedWeight: ...
 
 
 Quantizer = Callable[[str, "np.ndarray | EncodedMatrix"], Any]
@@ -117,6 +123,8 @@ def matrix_quantizer(method: str, group_size: int = DEFAULT_GROUP_SIZE) -> Quant
     check_quantization(method)
     if method == "none":
         return None
+    if method == "gguf":
+        return _keep_exactly
 
     def quantize(name: str, w: np.ndarray | EncodedMatrix) -> Any:
         encoded = isinstance(w, EncodedMatrix)
@@ -130,6 +138,13 @@ def matrix_quantizer(method: str, group_size: int = DEFAULT_GROUP_SIZE) -> Quant
         return w.dequantize() if encoded else w
 
     return quantize
+
+
+def _keep_exactly(name: str, w: np.ndarray | EncodedMatrix) -> Any:
+    """`gguf`: a matrix still in its file blocks stays in them; anything else as it is."""
+    if not isinstance(w, EncodedMatrix):
+        return w
+    return w.exact() if name in (*LAYER_MATRICES, *TOP_MATRICES) else w.dequantize()
 
 
 def fitting_group(n_in: int, group_size: int) -> int:

@@ -64,6 +64,22 @@ def test_every_weight_format_splits(quantization: str) -> None:
     assert generate(model, tensor_parallel_size=2) == generate(model)
 
 
+def test_a_gguf_in_its_own_blocks_splits(tmp_path: Path) -> None:
+    """`quantization="gguf"`: int8 with the file's scale per 32 inputs, split by shard."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from test_gguf import write_gguf
+
+    from jaxinfer.weights import hf
+
+    config, params = hf.load_hf_folder(TINY / "llama")
+    write_gguf(tmp_path / "q8.gguf", config, params, "llama", quantize=("attn_", "ffn_"))
+    model = load_model(tmp_path / "q8.gguf", quantization="gguf")
+    assert model.params["layers"]["down_proj"].group_size == 32
+    assert generate(model, tensor_parallel_size=2) == generate(model)
+
+
 @pytest.mark.parametrize("impl", ["pallas-interpret", "pallas-tpu-interpret"])
 def test_kernels_run_per_head_shard(llama, llama_single, impl: str) -> None:
     assert generate(llama, tensor_parallel_size=2, attention_impl=impl) == llama_single
