@@ -147,11 +147,10 @@ def load_from_args(args: argparse.Namespace, source: str | None = None,
 
 def _dummy_mesh(args: argparse.Namespace) -> Mesh | None:
     """The engine's mesh, for random weights made already split; None on one device."""
-    from jaxinfer.parallel.mesh import make_mesh
+    from jaxinfer.parallel.mesh import split_mesh
 
-    tensor = getattr(args, "tensor_parallel_size", None) or 1
-    data = getattr(args, "data_parallel_size", None) or 1
-    return make_mesh(tensor, data) if tensor > 1 else None
+    return split_mesh(getattr(args, "tensor_parallel_size", None) or 1,
+                      getattr(args, "data_parallel_size", None) or 1)
 
 
 def engine_config_from_args(args: argparse.Namespace, **defaults: object) -> EngineConfig:

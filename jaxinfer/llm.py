@@ -17,7 +17,7 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.errors import ConfigError, RequestError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.parallel.mesh import make_mesh
+from jaxinfer.parallel.mesh import split_mesh
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.weights import DEFAULT_MODEL, LoadedModel, load_model
@@ -60,12 +60,11 @@ class LLM:
             config = (engine_config or EngineConfig()).replace(**engine_settings)
         except TypeError as exc:
             raise ConfigError(f"unknown engine setting: {exc}") from exc
-        split = load_format == "dummy" and config.tensor_parallel_size > 1
         self.model = loaded or load_model(
             model, dtype=dtype, load_format=load_format, quantization=quantization,
             quant_group_size=quant_group_size, tokenizer=tokenizer,
-            mesh=make_mesh(config.tensor_parallel_size, config.data_parallel_size)
-            if split else None)
+            mesh=split_mesh(config.tensor_parallel_size, config.data_parallel_size)
+            if load_format == "dummy" else None)
         self.engine = LLMEngine(self.model, config)
         self.runner = self.engine.runner
         self.blocks = self.engine.blocks

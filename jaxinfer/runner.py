@@ -412,18 +412,16 @@ class ModelRunner:
                   prompt_logprobs: bool) -> StepOutput:
         """The jitted step over host inputs (sent to the followers first)."""
         statics = {"num_top_logprobs": num_top_logprobs, "prompt_logprobs": prompt_logprobs}
-        self._mirror(Message("step", statics, jax.tree.leaves((batch, sampling))))
+        if self.broadcast is not None:  # several hosts: the followers make this call too
+            self.broadcast.send(Message("step", statics, jax.tree.leaves((batch, sampling))))
         output, self.kv, self.penalties = self._step(
             self.params, self.kv, self.penalties, batch, sampling, **statics)
         return output
 
     def _run_record(self, row: np.ndarray, tokens: np.ndarray, is_output: np.ndarray) -> None:
-        self._mirror(Message("record", arrays=(row, tokens, is_output)))
-        self.penalties = self._record(self.penalties, row, tokens, is_output)
-
-    def _mirror(self, message: Message) -> None:
         if self.broadcast is not None:
-            self.broadcast.send(message)
+            self.broadcast.send(Message("record", arrays=(row, tokens, is_output)))
+        self.penalties = self._record(self.penalties, row, tokens, is_output)
 
     def follow(self, follower: StepFollower) -> int:
         """On a follower process: make every call the leader sends, until it says stop;

@@ -35,6 +35,13 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1) -> Mesh:
                          axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[:needed])
 
 
+def split_mesh(tensor_parallel_size: int, data_parallel_size: int = 1) -> Mesh | None:
+    """The engine's mesh when the model is split over devices (weights made on it
+    are made split), else None."""
+    return make_mesh(tensor_parallel_size, data_parallel_size) if tensor_parallel_size > 1 \
+        else None
+
+
 def model_shards(mesh: Mesh) -> int:
     """How many ways the model is split (the 'model' axis size)."""
     return mesh.shape["model"]

@@ -321,7 +321,6 @@ class StepFollower:
                  connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self.leader_lost = threading.Event()
         self._sock = _connect(address, connect_timeout)
-        self._send_lock = threading.Lock()
         self._sock.sendall(encode(Message("hello", {"protocol": PROTOCOL,
                                                     "process_id": process_id})))
         if read_message(self._sock).kind != "welcome":
@@ -350,8 +349,7 @@ class StepFollower:
         frame = encode(Message(HEARTBEAT))
         while not self.leader_lost.is_set():
             try:
-                with self._send_lock:
-                    self._sock.sendall(frame)
+                self._sock.sendall(frame)  # the only sender after the handshake
             except OSError:
                 self.leader_lost.set()
                 return

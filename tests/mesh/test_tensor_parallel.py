@@ -66,10 +66,7 @@ def test_every_weight_format_splits(quantization: str) -> None:
 
 def test_a_gguf_in_its_own_blocks_splits(tmp_path: Path) -> None:
     """`quantization="gguf"`: int8 with the file's scale per 32 inputs, split by shard."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from test_gguf import write_gguf
+    from test_gguf import write_gguf  # tests/ is on the path (its conftest)
 
     from jaxinfer.weights import hf
 

@@ -12,11 +12,11 @@ from jaxinfer.errors import ModelLoadError
 from jaxinfer.gguf_file import GGUFFile
 from jaxinfer.model.config import LayerType, ModelConfig, RopeScaling
 
+Meta = Callable[..., Any]  # meta(key, default=None): "<arch>.<key>", an error when absent
 # (raw config.json dict, its model_type, model name) -> ModelConfig
 HFConfigReader = Callable[[dict[str, Any], str, str], ModelConfig]
 # (fields every GGUF gives, metadata getter of the architecture, the file) -> ModelConfig
-GGUFConfigReader = Callable[[dict[str, Any], "Meta", GGUFFile], ModelConfig]
-Meta = Callable[..., Any]  # meta(key, default=None): "<arch>.<key>", an error when absent
+GGUFConfigReader = Callable[[dict[str, Any], Meta, GGUFFile], ModelConfig]
 
 # Our layer weight name -> HF name inside `layers.{i}.`, as most families spell it.
 HF_LAYER_NAMES: dict[str, str] = {
